@@ -1,0 +1,10 @@
+"""dartree: lossless speculative decoding with block-diffusion drafters and autoregressive draft trees."""
+
+from .decoding import GenerationStats
+from .errors import CheckpointError, DartreeError
+from .pipeline import GenerationResult, Pipeline, load
+from .trees import METHODS
+
+__version__ = "0.1.0"
+
+__all__ = ["load", "Pipeline", "GenerationResult", "GenerationStats", "METHODS", "DartreeError", "CheckpointError"]

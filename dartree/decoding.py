@@ -1,0 +1,142 @@
+"""The one decoding loop shared by every method.
+
+Per round: draft (drafter backbone) -> build a tree (the method) -> ONE target forward over
+[root, tree] -> walk with the target's own choices -> commit (compact the KV cache to the accepted
+path and keep the tapped states of the accepted rows as the drafter's next context).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+from .drafter import DraftProposer
+from .heads import CorrectionHead
+from .target import TargetAdapter
+from .trees import DraftTree, TreeBuilder
+from .verify import Sampler, ancestor_matrix, follow_tree
+
+STAGES = ("prefill", "draft", "tree", "verify", "commit")
+
+
+@dataclass
+class GenerationStats:
+    method: str
+    new_tokens: int = 0
+    rounds: int = 0
+    acceptance_lengths: list[int] = field(default_factory=list)  # per round, bonus included
+    decode_seconds: float = 0.0  # after prefill and the first draft call, as in the published harnesses
+    stage_ms: dict[str, float] = field(default_factory=dict)
+    tree_sizes: list[int] = field(default_factory=list)
+
+    @property
+    def mean_acceptance(self) -> float:
+        return sum(self.acceptance_lengths) / max(len(self.acceptance_lengths), 1)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "method": self.method,
+            "new_tokens": self.new_tokens,
+            "rounds": self.rounds,
+            "acceptance_lengths": list(self.acceptance_lengths),
+            "mean_acceptance": self.mean_acceptance,
+            "tokens_per_second": self.tokens_per_second,
+            "decode_seconds": self.decode_seconds,
+            "stage_ms": dict(self.stage_ms),
+            "mean_tree_size": sum(self.tree_sizes) / max(len(self.tree_sizes), 1),
+        }
+
+
+class _Timer:
+    def __init__(self):
+        self.totals = defaultdict(float)
+        self.mark = time.perf_counter()
+
+    def lap(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.totals[stage] += now - self.mark
+        self.mark = now
+
+
+def truncate(tokens: list[int], max_new_tokens: int, stop_ids: set[int]) -> list[int]:
+    """Cut at max_new_tokens, then just after the first stop token."""
+    tokens = tokens[:max_new_tokens]
+    for i, t in enumerate(tokens):
+        if t in stop_ids:
+            return tokens[: i + 1]
+    return tokens
+
+
+@torch.no_grad()
+def decode(
+    target: TargetAdapter,
+    builder: TreeBuilder,
+    prompt_ids: torch.Tensor,
+    max_new_tokens: int,
+    stop_ids: set[int],
+    sampler: Sampler,
+    proposer: DraftProposer | None = None,
+    head: CorrectionHead | None = None,
+) -> tuple[list[int], GenerationStats]:
+    stats = GenerationStats(method=builder.name)
+    use_drafter = builder.uses_drafter
+    target.capture = use_drafter and bool(target.tapped_layers)
+    timer = _Timer()
+
+    logits, features = target.prefill(prompt_ids)
+    bonus = int(sampler(logits[None])[0])
+    output = [bonus]
+    if proposer is not None:
+        proposer.reset()
+    start = prompt_ids.numel()  # position of the bonus token, not yet in the target cache
+    timer.lap("prefill")
+    decode_start = time.perf_counter()
+    first_round = True
+
+    while bonus not in stop_ids and len(output) < max_new_tokens:
+        if use_drafter:
+            draft = proposer.draft(bonus, features, start)
+            timer.lap("draft")
+            if first_round:  # the first draft call also prefills the drafter: not decode time
+                decode_start = time.perf_counter()
+            tree = builder.build(draft, head)
+            timer.lap("tree")
+        else:
+            tree = DraftTree.empty(prompt_ids.device)
+        first_round = False
+
+        rows = torch.cat([torch.tensor([bonus], device=prompt_ids.device), tree.tokens])
+        depths = torch.cat([torch.zeros(1, dtype=torch.long, device=prompt_ids.device), tree.depths])
+        mask = target.tree_mask(ancestor_matrix(tree)) if len(tree) else None
+        logits, row_features = target.forward_tree(rows, depths, mask)
+        accepted, next_bonus = follow_tree(tree, sampler(logits))
+        timer.lap("verify")
+
+        keep = torch.tensor(accepted, device=prompt_ids.device)
+        target.compact(start, keep)
+        if row_features is not None:
+            features = row_features.index_select(0, keep)
+        new_tokens = rows[keep[1:]].tolist() + [next_bonus]
+        start += len(accepted)
+        bonus = next_bonus
+        stats.acceptance_lengths.append(len(accepted))
+        stats.tree_sizes.append(len(tree))
+        timer.lap("commit")
+        # A stop token anywhere in this round ends generation; truncate() cuts after it.
+        output.extend(new_tokens)
+        if stop_ids.intersection(new_tokens):
+            break
+
+    stats.decode_seconds = time.perf_counter() - decode_start
+    output = truncate(output, max_new_tokens, stop_ids)
+    stats.new_tokens = len(output)
+    stats.rounds = len(stats.acceptance_lengths)
+    stats.stage_ms = {k: 1000.0 * timer.totals.get(k, 0.0) for k in STAGES}
+    return output, stats

@@ -1,0 +1,451 @@
+"""Block-diffusion drafter backbone (DFlash on-disk format) and its per-round proposer.
+
+The drafter is a stack of Qwen3-style decoder layers whose queries come only from the draft block
+([bonus, MASK, ..., MASK]) while keys/values are the fused target context followed by the block
+("KV injection"). Attention is non-causal. The drafter has no embedding and no lm_head of its own:
+it borrows the target's, which stay frozen.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import CheckpointError, require
+from .heads import CorrectionHead, build_head
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+@dataclass
+class DrafterConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    block_size: int
+    num_target_layers: int
+    mask_token_id: int
+    target_layer_ids: list[int]
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    attention_bias: bool = False
+    shift_label: bool = False
+    projector_type: str | None = None  # None (DFlash), "domino" or "markov"
+    pure_draft_prefix_len: int = 1
+    emb_dim: int = 256
+    gru_hidden_dim: int = 1024
+    markov_rank: int = 0
+    extra: dict = field(default_factory=dict)  # unknown fields, written back unchanged on save
+
+    @property
+    def num_draft_depths(self) -> int:
+        """D: with shifted labels every block slot predicts a future token; otherwise slot 0 does not."""
+        return self.block_size if self.shift_label else self.block_size - 1
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "DrafterConfig":
+        raw = dict(raw)
+        dflash = dict(raw.pop("dflash_config", None) or {})
+        try:
+            hidden = int(raw.pop("hidden_size"))
+            heads = int(raw.pop("num_attention_heads"))
+            rope = raw.pop("rope_parameters", None) or {}
+            projector = dflash.pop("projector_type", None)
+            if projector == "causal_v5":  # legacy name of the Domino head
+                projector = "domino"
+            markov_rank = int(dflash.pop("markov_rank", raw.pop("markov_rank", 0)) or 0)
+            if projector is None and markov_rank > 0:
+                projector = "markov"
+            num_layers = int(raw.pop("num_hidden_layers"))
+            num_target_layers = int(raw.pop("num_target_layers"))
+            layer_ids = dflash.pop("target_layer_ids", None)
+            if layer_ids is None:
+                layer_ids = default_target_layer_ids(num_target_layers, num_layers)
+            cfg = cls(
+                hidden_size=hidden,
+                intermediate_size=int(raw.pop("intermediate_size")),
+                num_hidden_layers=num_layers,
+                num_attention_heads=heads,
+                num_key_value_heads=int(raw.pop("num_key_value_heads", heads)),
+                head_dim=int(raw.pop("head_dim", None) or hidden // heads),
+                vocab_size=int(raw.pop("vocab_size")),
+                block_size=int(raw.pop("block_size")),
+                num_target_layers=num_target_layers,
+                mask_token_id=int(dflash.pop("mask_token_id")),
+                target_layer_ids=[int(i) for i in layer_ids],
+                rms_norm_eps=float(raw.pop("rms_norm_eps", 1e-6)),
+                rope_theta=float(raw.pop("rope_theta", rope.get("rope_theta", 1_000_000.0))),
+                attention_bias=bool(raw.pop("attention_bias", False)),
+                shift_label=bool(dflash.pop("shift_label", False)),
+                projector_type=projector,
+                pure_draft_prefix_len=int(dflash.pop("pure_draft_prefix_len", 1)),
+                emb_dim=int(dflash.pop("emb_dim", 256)),
+                gru_hidden_dim=int(dflash.pop("gru_hidden_dim", 1024)),
+                markov_rank=markov_rank,
+            )
+        except KeyError as exc:
+            raise CheckpointError(
+                f"drafter config.json lacks the field {exc.args[0]!r}; a DFlash-format drafter needs "
+                "hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, vocab_size, "
+                "block_size, num_target_layers and dflash_config.mask_token_id"
+            ) from None
+        except (TypeError, ValueError) as exc:
+            raise CheckpointError(f"drafter config.json has a field of the wrong type: {exc}") from None
+        require(cfg.block_size >= 2, f"block_size must be at least 2, got {cfg.block_size}", CheckpointError)
+        require(
+            cfg.projector_type in (None, "domino", "markov"),
+            f"unknown dflash_config.projector_type {cfg.projector_type!r}; expected 'domino', 'markov' or none",
+            CheckpointError,
+        )
+        raw.pop("architectures", None)
+        raw.pop("auto_map", None)
+        cfg.extra = {"top": raw, "dflash_config": dflash}
+        return cfg
+
+    def to_dict(self) -> dict:
+        arch = {"domino": "DominoDraftModel", "markov": "DSparkDraftModel"}.get(self.projector_type, "DFlashDraftModel")
+        dflash = {
+            "mask_token_id": self.mask_token_id,
+            "target_layer_ids": list(self.target_layer_ids),
+            "shift_label": self.shift_label,
+        }
+        if self.projector_type == "domino":
+            dflash.update(
+                projector_type="domino",
+                emb_dim=self.emb_dim,
+                gru_hidden_dim=self.gru_hidden_dim,
+                pure_draft_prefix_len=self.pure_draft_prefix_len,
+            )
+        elif self.projector_type == "markov":
+            dflash.update(projector_type="markov", markov_rank=self.markov_rank)
+        dflash.update(self.extra.get("dflash_config", {}))
+        out = dict(self.extra.get("top", {}))
+        out.update(
+            architectures=[arch],
+            model_type="qwen3",
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            vocab_size=self.vocab_size,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta,
+            attention_bias=self.attention_bias,
+            layer_types=["full_attention"] * self.num_hidden_layers,
+            tie_word_embeddings=False,
+            block_size=self.block_size,
+            num_target_layers=self.num_target_layers,
+            dflash_config=dflash,
+        )
+        return out
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Uniformly spaced tapped layers between 1 and L-3 (the published default)."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.to(torch.float32) if dtype in (torch.float16, torch.bfloat16) else x
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos/sin of shape [..., L, head_dim] for integer positions [..., L]."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float64) / head_dim))
+    freqs = positions.to(torch.float64)[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class DrafterCache:
+    """Per-layer K/V of the fused context. Block K/V never stay: the proposer crops after each call."""
+
+    def __init__(self, num_layers: int):
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys[0] is None else self.keys[0].shape[-2]
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys[layer] is not None:
+            k = torch.cat([self.keys[layer], k], dim=-2)
+            v = torch.cat([self.values[layer], v], dim=-2)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+    def crop(self, length: int) -> None:
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            if k is not None:
+                self.keys[i], self.values[i] = k[..., :length, :], v[..., :length, :]
+
+
+class DrafterAttention(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.cfg = cfg
+        h, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(h, nh * hd, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, nkv * hd, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, nkv * hd, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(nh * hd, h, bias=False)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+
+    def forward(self, x, ctx, cos_q, sin_q, cos_k, sin_k, cache: DrafterCache | None, layer: int, mask):
+        cfg = self.cfg
+        b, q_len, _ = x.shape
+        c_len = ctx.shape[1]
+        kv_in = torch.cat([ctx, x], dim=1)
+        q = self.q_norm(self.q_proj(x).view(b, q_len, cfg.num_attention_heads, cfg.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(kv_in).view(b, c_len + q_len, cfg.num_key_value_heads, cfg.head_dim)).transpose(1, 2)
+        v = self.v_proj(kv_in).view(b, c_len + q_len, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
+        q = q * cos_q + rotate_half(q) * sin_q
+        k = k * cos_k + rotate_half(k) * sin_k
+        if cache is not None:
+            k, v = cache.append(layer, k, v)
+        groups = cfg.num_attention_heads // cfg.num_key_value_heads
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=False)
+        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+
+
+class DrafterMLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DrafterAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = DrafterMLP(cfg)
+
+    def forward(self, x, ctx, rope, cache, layer, mask):
+        x = x + self.self_attn(self.input_layernorm(x), ctx, *rope, cache, layer, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DrafterModel(nn.Module):
+    """The drafter weights: backbone (+ optional correction head), named as in the published format."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.config = cfg
+        h = cfg.hidden_size
+        self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.mask_embedding: nn.Parameter | None = None
+        self.head: CorrectionHead | None = build_head(cfg)
+
+    def fuse_context(self, target_features: torch.Tensor) -> torch.Tensor:
+        """[.., C, m*H] concatenated tapped target states -> [.., C, H] injected context."""
+        return self.hidden_norm(self.fc(target_features))
+
+    def forward(
+        self,
+        block_embeds: torch.Tensor,  # [B, Q, H]
+        target_features: torch.Tensor,  # [B, C, m*H]
+        ctx_positions: torch.Tensor,  # [C] or [B, C]
+        block_positions: torch.Tensor,  # [Q] or [B, Q]
+        cache: DrafterCache | None = None,
+        attn_mask: torch.Tensor | None = None,  # [B or 1, 1, Q, cache + C + Q], bool (True = visible)
+    ) -> torch.Tensor:
+        cfg = self.config
+        ctx = self.fuse_context(target_features)
+        dtype = block_embeds.dtype
+        cos_q, sin_q = rope_cos_sin(block_positions, cfg.head_dim, cfg.rope_theta, dtype)
+        cos_k, sin_k = rope_cos_sin(torch.cat([ctx_positions, block_positions], dim=-1), cfg.head_dim, cfg.rope_theta, dtype)
+        # broadcast over heads: [B?, 1, L, hd]
+        rope = tuple(t.unsqueeze(-3) for t in (cos_q, sin_q, cos_k, sin_k))
+        x = block_embeds
+        for i, layer in enumerate(self.layers):
+            x = layer(x, ctx, rope, cache, i, attn_mask)
+        return self.norm(x)
+
+
+# ---------------------------------------------------------------- loading and saving
+
+
+def _read_config(directory: Path) -> DrafterConfig:
+    path = directory / CONFIG_NAME
+    require(directory.is_dir(), f"drafter directory {str(directory)!r} does not exist", CheckpointError)
+    require(path.is_file(), f"drafter directory {str(directory)!r} has no {CONFIG_NAME}", CheckpointError)
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path} is not valid JSON ({exc}); expected a DFlash-format drafter config") from None
+    require(isinstance(raw, dict), f"{path} must hold a JSON object", CheckpointError)
+    return DrafterConfig.from_dict(raw)
+
+
+def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    files = sorted(directory.glob("*.safetensors"))
+    require(bool(files), f"drafter directory {str(directory)!r} has no .safetensors weights", CheckpointError)
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            state.update(load_file(str(f)))
+        except (SafetensorError, OSError, RuntimeError) as exc:
+            raise CheckpointError(f"cannot read drafter weights {f}: the file is corrupt or truncated ({exc})") from None
+    return state
+
+
+def _to_module_names(state: dict[str, torch.Tensor], has_head: bool) -> dict[str, torch.Tensor]:
+    """On disk the head's tensors sit at top level (prefix_gru.*, markov_w1.*); in memory under head.*."""
+    out = {}
+    for name, tensor in state.items():
+        if name.startswith("model."):  # some exporters nest the backbone
+            name = name[len("model.") :]
+        if has_head and name.split(".")[0] in ("prefix_gru", "embed_proj", "markov_w1", "markov_w2"):
+            name = "head." + name
+        out[name] = tensor
+    return out
+
+
+def load_drafter(directory: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> DrafterModel:
+    directory = Path(directory)
+    cfg = _read_config(directory)
+    state = _to_module_names(_read_weights(directory), cfg.projector_type is not None)
+    model = DrafterModel(cfg)
+    if "mask_embedding" in state:
+        model.mask_embedding = nn.Parameter(torch.zeros(cfg.hidden_size))
+    ignored = {"embed_tokens.weight", "lm_head.weight"}  # DSpark ships copies of the target's; we use the target's
+    state = {k: v for k, v in state.items() if k not in ignored}
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    require(not missing, f"drafter weights in {directory} lack {missing[:6]}{' ...' if len(missing) > 6 else ''}", CheckpointError)
+    require(not unexpected, f"drafter weights in {directory} have unknown tensors {unexpected[:6]}", CheckpointError)
+    for name, tensor in state.items():
+        require(
+            tuple(tensor.shape) == tuple(expected[name].shape),
+            f"drafter tensor {name} has shape {tuple(tensor.shape)} but config.json implies {tuple(expected[name].shape)}",
+            CheckpointError,
+        )
+    model.load_state_dict(state)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def save_drafter(model: DrafterModel, directory: str | Path) -> None:
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / CONFIG_NAME).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if name.startswith("head."):
+            name = name[len("head.") :]
+        state[name] = tensor.detach().contiguous().cpu()
+    save_file(state, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
+
+
+# ---------------------------------------------------------------- one draft call per round
+
+
+@dataclass
+class DraftOutput:
+    """What the backbone proposes for one round: D hidden states and their base logits."""
+
+    bonus: int
+    hidden: torch.Tensor  # [D, H] final-normed drafter states (z_d)
+    base_logits: torch.Tensor  # [D, V] lm_head(z_d)
+
+
+class DraftProposer:
+    """Runs the drafter once per round with the target's frozen embedding and lm_head."""
+
+    def __init__(self, model: DrafterModel, embed_tokens: nn.Embedding, lm_head: nn.Module):
+        self.model = model
+        self.embed_tokens = embed_tokens
+        self.lm_head = lm_head
+        self.cache = DrafterCache(model.config.num_hidden_layers)
+        cfg = model.config
+        if model.mask_embedding is None:
+            require(
+                cfg.mask_token_id < embed_tokens.num_embeddings,
+                f"mask_token_id {cfg.mask_token_id} is outside the target embedding ({embed_tokens.num_embeddings} rows) "
+                "and the drafter has no mask_embedding weight",
+            )
+
+    @property
+    def num_depths(self) -> int:
+        return self.model.config.num_draft_depths
+
+    def reset(self) -> None:
+        self.cache = DrafterCache(self.model.config.num_hidden_layers)
+
+    def block_embeddings(self, first_tokens: torch.Tensor) -> torch.Tensor:
+        """[N] anchor tokens -> [N, block_size, H] embeddings of [anchor, MASK, ...]."""
+        cfg = self.model.config
+        anchor = self.embed_tokens(first_tokens)[:, None, :]
+        if self.model.mask_embedding is not None:
+            mask = self.model.mask_embedding.to(anchor.dtype)
+        else:
+            mask = self.embed_tokens.weight[cfg.mask_token_id]
+        masks = mask.expand(first_tokens.shape[0], cfg.block_size - 1, -1)
+        return torch.cat([anchor, masks], dim=1)
+
+    @torch.no_grad()
+    def draft(self, bonus: int, new_features: torch.Tensor, start: int) -> DraftOutput:
+        """new_features: tapped target states [C, m*H] of positions cache_len..start-1."""
+        cfg = self.model.config
+        device = new_features.device
+        cached = self.cache.length
+        require(cached + new_features.shape[0] == start, "drafter context out of step with the target")
+        embeds = self.block_embeddings(torch.tensor([bonus], device=device))
+        ctx_pos = torch.arange(cached, start, device=device)
+        block_pos = torch.arange(start, start + cfg.block_size, device=device)
+        hidden = self.model(embeds, new_features[None], ctx_pos, block_pos, cache=self.cache)[0]
+        self.cache.crop(start)  # keep the context K/V, drop the block's
+        if not cfg.shift_label:
+            hidden = hidden[1:]  # slot 0 only restates the bonus token
+        return DraftOutput(bonus=bonus, hidden=hidden, base_logits=self.lm_head(hidden))
+

@@ -1,0 +1,160 @@
+"""Causal correction heads: make each draft depth depend on the path drafted before it.
+
+Both heads sit behind one small interface so that no tree builder knows which one it uses:
+
+- ``initial_state(bonus)``: the state of the root (the path holding only the bonus token);
+- ``advance(states, tokens)``: the states of a batch of paths, each extended by one token;
+- ``logits(round, slot, states, candidates)``: corrected logits of candidate tokens at one block
+  slot, for a batch of path states.
+
+A "round" object (``start_round``) holds what every call of one round shares (the drafter states
+and their base logits, plus per-head precomputation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if TYPE_CHECKING:
+    from .drafter import DrafterConfig
+
+
+@dataclass
+class HeadRound:
+    hidden: torch.Tensor  # [D, H] drafter states z_d
+    base_logits: torch.Tensor  # [D, V]
+    hidden_proj: torch.Tensor | None = None  # Domino: W_z z_d for every depth, [D, R]
+
+
+class CorrectionHead(nn.Module):
+    uncorrected_slots: int = 0
+
+    def __init__(self):
+        super().__init__()
+        self._embed: nn.Embedding | None = None
+
+    def bind(self, embed_tokens: nn.Embedding) -> None:
+        """Give the head the target's frozen token embedding (not saved with the head)."""
+        object.__setattr__(self, "_embed", embed_tokens)
+
+    def start_round(self, hidden: torch.Tensor, base_logits: torch.Tensor) -> HeadRound:
+        return HeadRound(hidden=hidden, base_logits=base_logits)
+
+    def initial_state(self, bonus: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def advance(self, states: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def delta(self, rnd: HeadRound, slot: int, states: torch.Tensor, out_rows: torch.Tensor) -> torch.Tensor:
+        """Correction [N, C] given the output-projection rows [C, R] of the candidates."""
+        raise NotImplementedError
+
+    def output_rows(self, candidates: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def logits(self, rnd: HeadRound, slot: int, states: torch.Tensor, candidates: torch.Tensor | None = None) -> torch.Tensor:
+        """Corrected logits [N, C] at block slot ``slot`` (depth slot+1); candidates None = full vocabulary."""
+        base = rnd.base_logits[slot]
+        if candidates is not None:
+            base = base[candidates]
+        if slot < self.uncorrected_slots:
+            return base.expand(states.shape[0], -1)
+        return base + self.delta(rnd, slot, states, self.output_rows(candidates))
+
+    # ------------------------------------------------------------- training (teacher forcing)
+    def block_logits(self, hidden: torch.Tensor, base_logits: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced corrected logits for whole blocks.
+
+        hidden [N, Q, H], base_logits [N, Q, V], prev_tokens [N, Q]: the tokens each slot conditions on
+        (slot k has seen prev_tokens[:, :k+1]). Returns [N, Q, V].
+        """
+        raise NotImplementedError
+
+
+class DominoHead(CorrectionHead):
+    """GRU over the target's token embeddings + low-rank residual on the logits (bias-free)."""
+
+    def __init__(self, hidden_size: int, gru_hidden: int, rank: int, vocab_size: int, pure_prefix: int):
+        super().__init__()
+        self.prefix_gru = nn.GRU(hidden_size, gru_hidden, num_layers=1, batch_first=True, bias=False)
+        self.embed_proj = nn.Sequential(
+            nn.Linear(hidden_size + gru_hidden, rank, bias=False), nn.SiLU(), nn.Linear(rank, vocab_size, bias=False)
+        )
+        self.hidden_size = hidden_size
+        self.uncorrected_slots = pure_prefix
+
+    def start_round(self, hidden, base_logits):
+        w1 = self.embed_proj[0].weight
+        return HeadRound(hidden, base_logits, hidden_proj=hidden @ w1[:, : self.hidden_size].T)
+
+    def _gru_step(self, states: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        # PyTorch GRU gate order (r, z, n), no biases.
+        gi = self._embed(tokens) @ self.prefix_gru.weight_ih_l0.T
+        gh = states @ self.prefix_gru.weight_hh_l0.T
+        i_r, i_z, i_n = gi.chunk(3, dim=-1)
+        h_r, h_z, h_n = gh.chunk(3, dim=-1)
+        r = torch.sigmoid(i_r + h_r)
+        z = torch.sigmoid(i_z + h_z)
+        n = torch.tanh(i_n + r * h_n)
+        return (1 - z) * n + z * states
+
+    def initial_state(self, bonus: int) -> torch.Tensor:
+        w = self.prefix_gru.weight_hh_l0
+        zeros = torch.zeros(1, w.shape[1], dtype=w.dtype, device=w.device)
+        return self._gru_step(zeros, torch.tensor([bonus], device=w.device))
+
+    def advance(self, states, tokens):
+        return self._gru_step(states, tokens)
+
+    def output_rows(self, candidates):
+        w2 = self.embed_proj[2].weight
+        return w2 if candidates is None else w2[candidates]
+
+    def delta(self, rnd, slot, states, out_rows):
+        w_s = self.embed_proj[0].weight[:, self.hidden_size :]
+        return F.silu(rnd.hidden_proj[slot] + states @ w_s.T) @ out_rows.T
+
+    def block_logits(self, hidden, base_logits, prev_tokens):
+        states, _ = self.prefix_gru(self._embed(prev_tokens))
+        delta = self.embed_proj(torch.cat([hidden, states], dim=-1))
+        p = self.uncorrected_slots
+        return torch.cat([base_logits[:, :p], base_logits[:, p:] + delta[:, p:]], dim=1)
+
+
+class MarkovHead(CorrectionHead):
+    """DSpark's Markov head: a rank-r bias W2 · W1[previous token]; the state is W1[last token]."""
+
+    def __init__(self, vocab_size: int, rank: int):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+
+    def initial_state(self, bonus):
+        return self.markov_w1.weight[bonus][None]
+
+    def advance(self, states, tokens):
+        return self.markov_w1(tokens)
+
+    def output_rows(self, candidates):
+        w2 = self.markov_w2.weight
+        return w2 if candidates is None else w2[candidates]
+
+    def delta(self, rnd, slot, states, out_rows):
+        return states @ out_rows.T
+
+    def block_logits(self, hidden, base_logits, prev_tokens):
+        return base_logits + self.markov_w2(self.markov_w1(prev_tokens))
+
+
+def build_head(cfg: "DrafterConfig") -> CorrectionHead | None:
+    if cfg.projector_type == "domino":
+        return DominoHead(cfg.hidden_size, cfg.gru_hidden_dim, cfg.emb_dim, cfg.vocab_size, cfg.pure_draft_prefix_len)
+    if cfg.projector_type == "markov":
+        return MarkovHead(cfg.vocab_size, cfg.markov_rank)
+    return None

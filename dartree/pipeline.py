@@ -1,0 +1,226 @@
+"""Public API: ``dartree.load(...)`` and ``Pipeline.generate(...)``."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .decoding import GenerationStats, decode
+from .drafter import DraftProposer, DrafterModel, load_drafter
+from .errors import CheckpointError, DartreeError, require
+from .target import TargetAdapter, check_context_length
+from .trees import METHODS, TreeSettings, make_builder
+from .verify import Sampler
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    text: str | None
+    stats: GenerationStats
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.to_dict()}
+
+
+def load_target(directory: str | Path, dtype: torch.dtype, device) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    directory = Path(directory)
+    require(directory.is_dir(), f"target directory {str(directory)!r} does not exist", CheckpointError)
+    require((directory / "config.json").is_file(), f"target directory {str(directory)!r} has no config.json", CheckpointError)
+    try:
+        json.loads((directory / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{directory / 'config.json'} is not valid JSON ({exc})") from None
+    try:
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, attn_implementation="sdpa")
+    except OSError as exc:  # missing weight files
+        raise CheckpointError(f"cannot load the target from {directory}: {exc}") from None
+    except Exception as exc:  # safetensors header errors and the like
+        if "safetensor" in type(exc).__name__.lower() or "header" in str(exc).lower():
+            raise CheckpointError(f"target weights in {directory} are corrupt or truncated: {exc}") from None
+        raise
+    return model.to(device).eval()
+
+
+def load_tokenizer(directory: str | Path):
+    from transformers import AutoTokenizer
+
+    directory = Path(directory)
+    if not any((directory / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        return None
+    return AutoTokenizer.from_pretrained(directory)
+
+
+def check_pair(target_model: torch.nn.Module, drafter: DrafterModel) -> None:
+    """Raise a clear error when a drafter does not fit its target."""
+    cfg, tcfg = drafter.config, target_model.config
+    require(
+        cfg.hidden_size == tcfg.hidden_size,
+        f"drafter hidden_size {cfg.hidden_size} does not match the target's {tcfg.hidden_size}; the drafter "
+        "reuses the target's embedding and lm_head, so they must be equal",
+    )
+    lm_rows = target_model.get_output_embeddings().weight.shape[0]
+    require(
+        cfg.vocab_size == lm_rows,
+        f"drafter vocab_size {cfg.vocab_size} does not match the target's lm_head ({lm_rows} tokens)",
+    )
+    n_layers = tcfg.num_hidden_layers
+    for i in cfg.target_layer_ids:
+        require(
+            0 <= i < n_layers,
+            f"drafter taps target layer {i}, out of range for a target with {n_layers} layers (0..{n_layers - 1})",
+        )
+    require(
+        cfg.num_target_layers == n_layers,
+        f"drafter was built for a {cfg.num_target_layers}-layer target, this target has {n_layers} layers",
+    )
+
+
+class Pipeline:
+    """A target, an optional drafter (with its correction head) and a tokenizer, ready to generate."""
+
+    def __init__(self, target_model, drafter: DrafterModel | None = None, tokenizer=None):
+        self.model = target_model
+        self.drafter = drafter
+        self.tokenizer = tokenizer
+        if drafter is not None:
+            check_pair(target_model, drafter)
+        self.target = TargetAdapter(target_model, drafter.config.target_layer_ids if drafter else ())
+        self.proposer = None
+        self.head = None
+        if drafter is not None:
+            self.proposer = DraftProposer(drafter, self.target.embed_tokens, self.target.lm_head)
+            self.head = drafter.head
+            if self.head is not None:
+                self.head.bind(self.target.embed_tokens)
+
+    @property
+    def device(self) -> torch.device:
+        return self.target.device
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        if self.drafter is None:
+            return ("ar",)
+        if self.head is None:
+            return ("ar", "dflash", "ddtree")
+        return METHODS
+
+    # ------------------------------------------------------------- inputs
+    def encode(self, prompt=None, messages=None, input_ids=None) -> torch.Tensor:
+        given = [x is not None for x in (prompt, messages, input_ids)]
+        require(sum(given) == 1, "pass exactly one of prompt=, messages= or input_ids=")
+        if input_ids is not None:
+            ids = list(input_ids.flatten().tolist()) if isinstance(input_ids, torch.Tensor) else list(input_ids)
+            require(len(ids) > 0, "input_ids is empty; give at least one token")
+            vocab = self.model.get_input_embeddings().num_embeddings
+            require(
+                all(isinstance(t, int) and 0 <= t < vocab for t in ids),
+                f"input_ids must be integers in [0, {vocab}) for this target",
+            )
+        else:
+            require(self.tokenizer is not None, "this target has no tokenizer; pass input_ids= instead of text")
+            if prompt is not None:
+                require(isinstance(prompt, str) and prompt.strip() != "", "the prompt is empty; give some text")
+                messages = [{"role": "user", "content": prompt}] if self.tokenizer.chat_template else None
+                if messages is None:
+                    ids = self.tokenizer(prompt)["input_ids"]
+            if messages is not None:
+                require(
+                    isinstance(messages, list) and len(messages) > 0 and all(isinstance(m, dict) and "content" in m for m in messages),
+                    "messages must be a non-empty list of {'role': ..., 'content': ...} dicts",
+                )
+                require(any(str(m["content"]).strip() for m in messages), "the messages are empty; give some text")
+                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+                if isinstance(ids, dict) or hasattr(ids, "keys"):
+                    ids = ids["input_ids"]
+            require(len(ids) > 0, "the prompt encodes to no tokens")
+        return torch.tensor(ids, dtype=torch.long, device=self.device)
+
+    def default_stop_ids(self) -> set[int]:
+        stop = set()
+        for source in (getattr(self.model, "generation_config", None), self.model.config, self.tokenizer):
+            eos = getattr(source, "eos_token_id", None) if source is not None else None
+            if eos is None:
+                continue
+            stop.update([eos] if isinstance(eos, int) else list(eos))
+        return stop
+
+    # ------------------------------------------------------------- generate
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict] | None = None,
+        input_ids=None,
+        method: str = "dartree",
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        seed: int | None = 0,
+        budget: int = 64,
+        width: int = 12,
+        top_k: int = 64,
+        beta: float = -0.2,
+        sampling_top_k: int | None = None,
+        top_p: float | None = None,
+        stop_token_ids: list[int] | None = None,
+    ) -> GenerationResult:
+        """Generate with one method. ``top_k`` is DARTree's K (candidates per depth); sampling uses
+        ``sampling_top_k`` / ``top_p`` on the target's distribution (temperature > 0 only)."""
+        require(method in METHODS, f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
+        require(
+            method in self.methods,
+            f"method {method!r} needs a drafter{' with a correction head' if self.drafter else ''}; "
+            f"this pipeline supports: {', '.join(self.methods)}",
+        )
+        require(
+            isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool) and max_new_tokens >= 1,
+            f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}",
+        )
+        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+            raise DartreeError(f"temperature must be a finite number >= 0, got {temperature!r}")
+        sampler = Sampler(temperature, sampling_top_k, top_p, seed, device=self.device)
+        builder = make_builder(method, TreeSettings(budget=budget, width=width, top_k=top_k, beta=beta))
+        ids = self.encode(prompt, messages, input_ids)
+        block = self.drafter.config.block_size if self.drafter is not None else 1
+        check_context_length(self.model.config, ids.numel(), max_new_tokens, block)
+        stop = set(stop_token_ids) if stop_token_ids is not None else self.default_stop_ids()
+        if seed is not None:
+            torch.manual_seed(seed)
+        tokens, stats = decode(self.target, builder, ids, max_new_tokens, stop, sampler, self.proposer, self.head)
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else None
+        return GenerationResult(token_ids=tokens, text=text, stats=stats)
+
+
+def _parse_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "float64": torch.float64, "fp64": torch.float64,
+             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in names:
+        raise DartreeError(f"unknown dtype {dtype!r}; use one of {', '.join(names)}")
+    return names[dtype]
+
+
+def load(target: str | Path | None = None, drafter: str | Path | None = None, dtype=torch.float32, device="cpu") -> Pipeline:
+    """Load a target (any HF causal LM directory) and a DFlash-format drafter.
+
+    With no arguments: the bundled default model (SmolLM2-135M-Instruct) with the drafter shipped
+    in this repository, fully offline.
+    """
+    dtype = _parse_dtype(dtype)
+    if target is None:
+        from .default_model import default_drafter_dir, default_target_dir
+
+        target = default_target_dir()
+        if drafter is None:
+            drafter = default_drafter_dir()
+    model = load_target(target, dtype, device)
+    draft_model = load_drafter(drafter, dtype=dtype, device=device) if drafter is not None else None
+    return Pipeline(model, draft_model, load_tokenizer(target))

@@ -1,0 +1,139 @@
+"""Target adapter: any Hugging Face causal LM, driven through its KV cache.
+
+It does four things: prefill the prompt, run ONE forward over a whole draft tree (ancestor-only
+additive mask, position = start + depth), compact the KV cache to the accepted path, and collect
+the hidden states of chosen decoder layers with forward hooks (equal to HF ``hidden_states[i+1]``),
+which the drafter uses as its context.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from .errors import DartreeError, require
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    require(
+        isinstance(layers, nn.ModuleList),
+        f"{type(model).__name__} does not expose model.layers; dartree supports decoder-only HF causal LMs "
+        "(Llama, Qwen3 and the like)",
+    )
+    return layers
+
+
+class TargetAdapter:
+    def __init__(self, model: nn.Module, tapped_layers: list[int] | tuple[int, ...] = ()):
+        self.model = model.eval()
+        self.config = model.config
+        layers = decoder_layers(model)
+        for i in tapped_layers:
+            require(
+                0 <= int(i) < len(layers),
+                f"tapped target layer {i} is out of range: the target has {len(layers)} decoder layers (0..{len(layers) - 1})",
+            )
+        self.tapped_layers = [int(i) for i in tapped_layers]
+        self._captured: dict[int, torch.Tensor] = {}
+        self.capture = bool(self.tapped_layers)
+        self._hooks = [layers[i].register_forward_hook(self._hook(i)) for i in self.tapped_layers]
+        self.cache: DynamicCache | None = None
+
+    # ------------------------------------------------------------- hooks
+    def _hook(self, index: int):
+        def hook(_module, _inputs, output):
+            if self.capture:
+                self._captured[index] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    def _features(self) -> torch.Tensor | None:
+        """[n, m*H] tapped states of the last forward (batch 1), in tapped-layer order."""
+        if not self.capture:
+            return None
+        feats = torch.cat([self._captured[i] for i in self.tapped_layers], dim=-1)[0]
+        self._captured.clear()
+        return feats
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.model.get_output_embeddings()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def cache_length(self) -> int:
+        return 0 if self.cache is None else self.cache.get_seq_length()
+
+    # ------------------------------------------------------------- forwards
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """input_ids [P]. Returns the logits [V] at the last prompt position and features [P, m*H]."""
+        self.cache = DynamicCache(config=self.config)
+        out = self.model(input_ids=input_ids[None], cache=self.cache, use_cache=True, logits_to_keep=1)
+        return out.logits[0, -1], self._features()
+
+    @torch.no_grad()
+    def forward_tree(self, tokens: torch.Tensor, depths: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward over [root, nodes...] appended to the cache.
+
+        tokens [n], depths [n] (root depth 0), mask: additive [1, 1, n, past + n], or None for a
+        single root token (plain autoregressive step). Returns logits [n, V] and features [n, m*H].
+        """
+        start = self.cache_length
+        positions = (start + depths)[None]
+        out = self.model(input_ids=tokens[None], position_ids=positions, attention_mask=mask, cache=self.cache, use_cache=True)
+        return out.logits[0], self._features()
+
+    def tree_mask(self, visibility: torch.Tensor) -> torch.Tensor:
+        """Additive mask [1, 1, n, past + n] from a boolean ancestor matrix [n, n]."""
+        past = self.cache_length
+        n = visibility.shape[0]
+        mask = torch.zeros(1, 1, n, past + n, dtype=self.dtype, device=self.device)
+        mask[0, 0, :, past:].masked_fill_(~visibility, torch.finfo(self.dtype).min)
+        return mask
+
+    def compact(self, start: int, keep: torch.Tensor) -> None:
+        """Keep the K/V of tree rows ``keep`` (indices into the appended window) at start.. and crop."""
+        n_keep = keep.numel()
+        contiguous = bool(torch.equal(keep, torch.arange(n_keep, device=keep.device)))
+        for layer in self.cache.layers:
+            if layer.keys is None:
+                continue
+            if not contiguous:
+                idx = start + keep
+                layer.keys[:, :, start : start + n_keep] = layer.keys.index_select(2, idx)
+                layer.values[:, :, start : start + n_keep] = layer.values.index_select(2, idx)
+            layer.keys = layer.keys[:, :, : start + n_keep]
+            layer.values = layer.values[:, :, : start + n_keep]
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+
+def check_context_length(config, prompt_len: int, max_new_tokens: int, margin: int) -> None:
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is None:
+        return
+    if prompt_len >= limit:
+        raise DartreeError(f"the prompt has {prompt_len} tokens but the target's context is {limit} tokens; shorten the prompt")
+    if prompt_len + max_new_tokens + margin > limit:
+        raise DartreeError(
+            f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) + one draft block ({margin}) exceeds "
+            f"the target's context of {limit} tokens; lower max_new_tokens to at most {max(limit - prompt_len - margin, 0)}"
+        )

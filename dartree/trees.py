@@ -1,0 +1,354 @@
+"""Draft-tree builders: one small class per method behind one interface.
+
+A builder turns one round's draft (drafter states and base logits, plus a correction head for the
+corrected methods) into a ``DraftTree``. Node i of a tree has row i+1 in the verification batch;
+row 0 is the root (the bonus token). Parents always come before their children.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .errors import DartreeError
+from .heads import CorrectionHead
+
+METHODS = ("ar", "dflash", "ddtree", "domino", "domino-ddtree", "heap", "dartree", "dartree-fixed")
+HEAD_METHODS = ("domino", "domino-ddtree", "heap", "dartree", "dartree-fixed")
+
+
+@dataclass
+class DraftTree:
+    tokens: torch.Tensor  # [N] long
+    parents: torch.Tensor  # [N] long, row index of the parent (0 = root)
+    depths: torch.Tensor  # [N] long, 1..D
+
+    def __len__(self) -> int:
+        return self.tokens.numel()
+
+    @classmethod
+    def empty(cls, device="cpu") -> "DraftTree":
+        z = torch.zeros(0, dtype=torch.long, device=device)
+        return cls(z, z.clone(), z.clone())
+
+    @classmethod
+    def chain(cls, tokens: torch.Tensor) -> "DraftTree":
+        n = tokens.numel()
+        ar = torch.arange(n, device=tokens.device)
+        return cls(tokens.long(), ar, ar + 1)
+
+    @classmethod
+    def from_lists(cls, tokens, parents, depths, device="cpu") -> "DraftTree":
+        mk = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+        return cls(mk(tokens), mk(parents), mk(depths))
+
+
+@dataclass
+class TreeSettings:
+    budget: int = 64  # B: tree nodes verified per round, root not counted
+    width: int = 12  # W: branches kept per depth (dartree)
+    top_k: int = 64  # K: candidate tokens per depth (dartree, heap)
+    beta: float = -0.2  # depth bonus of the final top-B (dartree, heap)
+
+    def validate(self) -> None:
+        for name in ("budget", "width", "top_k"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise DartreeError(f"{name} must be an integer >= 1, got {value!r}")
+        if not (isinstance(self.beta, (int, float)) and math.isfinite(self.beta)):
+            raise DartreeError(f"beta must be a finite number <= 0, got {self.beta!r}")
+        if self.beta > 0:
+            raise DartreeError(
+                f"beta must be <= 0, got {self.beta}: with a positive depth bonus a child can outscore its parent, "
+                "so the global top-B is no longer a valid (ancestor-closed) tree"
+            )
+
+
+# ---------------------------------------------------------------- shared pieces
+
+
+def best_first_marginals(logprobs: torch.Tensor, budget: int) -> DraftTree:
+    """DDTree: the top-B prefixes under a factorised distribution, by a best-first heap.
+
+    logprobs [D, V] per-depth log-probabilities. A popped node pushes its next sibling and its
+    first child, so each pop costs O(log B).
+    """
+    depth_count = logprobs.shape[0]
+    k = min(budget, logprobs.shape[1])
+    top_lp, top_ids = logprobs.topk(k, dim=-1)
+    lp, ids = top_lp.tolist(), top_ids.tolist()
+    tokens, parents, depths = [], [], []
+    # (-score, tie, parent_row, depth, rank, score)
+    heap = [(-lp[0][0], 0, 0, 1, 0, lp[0][0])]
+    tie = 1
+    while heap and len(tokens) < budget:
+        _, _, parent, depth, rank, score = heapq.heappop(heap)
+        tokens.append(ids[depth - 1][rank])
+        parents.append(parent)
+        depths.append(depth)
+        row = len(tokens)
+        if rank + 1 < k:
+            sib = score - lp[depth - 1][rank] + lp[depth - 1][rank + 1]
+            heapq.heappush(heap, (-sib, tie, parent, depth, rank + 1, sib))
+            tie += 1
+        if depth < depth_count:
+            child = score + lp[depth][0]
+            heapq.heappush(heap, (-child, tie, row, depth + 1, 0, child))
+            tie += 1
+    return DraftTree.from_lists(tokens, parents, depths, device=logprobs.device)
+
+
+def corrected_chain_logits(draft, head: CorrectionHead) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy chain where every depth is corrected by the path so far (full vocabulary).
+
+    Returns the chain tokens [D] and the corrected logits [D, V] along it.
+    """
+    rnd = head.start_round(draft.hidden, draft.base_logits)
+    state = head.initial_state(draft.bonus)
+    rows, tokens = [], []
+    depth_count = draft.base_logits.shape[0]
+    for slot in range(depth_count):
+        logits = head.logits(rnd, slot, state)[0]
+        token = logits.argmax()
+        rows.append(logits)
+        tokens.append(token)
+        if slot + 1 < depth_count:
+            state = head.advance(state, token[None])
+    return torch.stack(tokens), torch.stack(rows)
+
+
+def select_top_b(prune_scores: torch.Tensor, parents: torch.Tensor, budget: int) -> torch.Tensor:
+    """Deferred global top-B of a supertree (Lemma 1). Returns kept node positions, sorted.
+
+    prune_scores [N] (score + beta*depth) must never increase from parent to child; ties go to the
+    smaller row, so with parents numbered before children the result is ancestor-closed and equals
+    the first B pops of a best-first heap on the supertree.
+    """
+    n = prune_scores.numel()
+    has_parent = parents > 0
+    parent_scores = prune_scores[(parents - 1).clamp(min=0)]
+    if bool((has_parent & (prune_scores > parent_scores)).any()):
+        raise DartreeError("deferred top-B needs scores that never increase from parent to child (beta <= 0)")
+    if n <= budget:
+        return torch.arange(n, device=prune_scores.device)
+    order = torch.sort(prune_scores, descending=True, stable=True).indices
+    return order[:budget].sort().values
+
+
+def subtree(tokens, parents, depths, keep: torch.Tensor) -> DraftTree:
+    """Restrict a tree to an ancestor-closed, sorted node set, renumbering parent rows."""
+    row_map = torch.zeros(tokens.numel() + 1, dtype=torch.long, device=tokens.device)
+    row_map[keep + 1] = torch.arange(1, keep.numel() + 1, device=tokens.device)
+    return DraftTree(tokens[keep], row_map[parents[keep]], depths[keep])
+
+
+# ---------------------------------------------------------------- builders
+
+
+class TreeBuilder:
+    name = ""
+    uses_drafter = True
+    needs_head = False
+
+    def __init__(self, settings: TreeSettings):
+        self.settings = settings
+
+    def build(self, draft, head: CorrectionHead | None) -> DraftTree:
+        raise NotImplementedError
+
+
+class AutoregressiveBuilder(TreeBuilder):
+    """No draft at all: each round verifies only the root, i.e. plain decoding."""
+
+    name = "ar"
+    uses_drafter = False
+
+    def build(self, draft, head):
+        return DraftTree.empty()
+
+
+class DFlashBuilder(TreeBuilder):
+    name = "dflash"
+
+    def build(self, draft, head):
+        return DraftTree.chain(draft.base_logits.argmax(-1))
+
+
+class DDTreeBuilder(TreeBuilder):
+    name = "ddtree"
+
+    def build(self, draft, head):
+        return best_first_marginals(draft.base_logits.log_softmax(-1), self.settings.budget)
+
+
+class DominoBuilder(TreeBuilder):
+    name = "domino"
+    needs_head = True
+
+    def build(self, draft, head):
+        tokens, _ = corrected_chain_logits(draft, head)
+        return DraftTree.chain(tokens)
+
+
+class DominoDDTreeBuilder(TreeBuilder):
+    name = "domino-ddtree"
+    needs_head = True
+
+    def build(self, draft, head):
+        _, logits = corrected_chain_logits(draft, head)
+        return best_first_marginals(logits.log_softmax(-1), self.settings.budget)
+
+
+def candidate_tables(draft, top_k: int) -> torch.Tensor:
+    """C_d: the top-K base tokens of every depth, shared by all branches. [D, K]"""
+    return draft.base_logits.topk(min(top_k, draft.base_logits.shape[-1]), dim=-1).indices
+
+
+class HeapBuilder(TreeBuilder):
+    """Exact best-first heap; every popped node runs the correction for its own path (sequential).
+
+    Children of a node are its depth's K candidates, scored by the corrected logits normalised over
+    those K; priority = path score + beta * depth. It is the baseline DARTree replaces: same result
+    when DARTree's beam keeps every node the heap visits, but B dependent correction calls per round.
+    """
+
+    name = "heap"
+    needs_head = True
+
+    def build(self, draft, head):
+        s = self.settings
+        cands = candidate_tables(draft, s.top_k)
+        depth_count = cands.shape[0]
+        rnd = head.start_round(draft.hidden, draft.base_logits)
+
+        def expand(state, slot):
+            lp = head.logits(rnd, slot, state, cands[slot])[0].log_softmax(-1).clamp(max=0)
+            lp_sorted, order = lp.sort(descending=True)
+            return lp_sorted.tolist(), cands[slot][order].tolist()
+
+        # Per expanded row: (child log-probs sorted, child tokens sorted, state of that row).
+        root_state = head.initial_state(draft.bonus)
+        root_lps, root_toks = expand(root_state, 0)
+        expanded = {0: (root_lps, root_toks, root_state)}
+        heap = [(-(root_lps[0] + s.beta), 0, 0, 1, 0, root_lps[0])]
+        tokens, parents, depths = [], [], []
+        tie = 1
+        while heap and len(tokens) < s.budget:
+            _, _, parent, depth, rank, score = heapq.heappop(heap)
+            lps, toks, parent_state = expanded[parent]
+            token = toks[rank]
+            tokens.append(token)
+            parents.append(parent)
+            depths.append(depth)
+            row = len(tokens)
+            if rank + 1 < len(lps):
+                sib = score - lps[rank] + lps[rank + 1]
+                heapq.heappush(heap, (-(sib + s.beta * depth), tie, parent, depth, rank + 1, sib))
+                tie += 1
+            if depth < depth_count:
+                state = head.advance(parent_state, torch.tensor([token], device=cands.device))
+                child_lps, child_toks = expand(state, depth)
+                expanded[row] = (child_lps, child_toks, state)
+                child = score + child_lps[0]
+                heapq.heappush(heap, (-(child + s.beta * (depth + 1)), tie, row, depth + 1, 0, child))
+                tie += 1
+        return DraftTree.from_lists(tokens, parents, depths, device=cands.device)
+
+
+@dataclass
+class Supertree:
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    scores: torch.Tensor  # cumulative log-probability of each node's path
+
+
+def grow_supertree(draft, head: CorrectionHead, top_k: int, quotas) -> Supertree:
+    """Depth-wise batched expansion: every live branch is corrected in one batch per depth.
+
+    ``quotas(slot, placed)`` gives how many (branch, candidate) pairs to keep at a depth; they are
+    the global top-n of the [F, K] matrix of cumulative scores (a beam across branches).
+    """
+    cands = candidate_tables(draft, top_k)
+    depth_count, k = cands.shape
+    rnd = head.start_round(draft.hidden, draft.base_logits)
+    states = head.initial_state(draft.bonus)  # [F, S]
+    scores = torch.zeros(1, dtype=draft.base_logits.dtype, device=cands.device)  # [F]
+    rows = torch.zeros(1, dtype=torch.long, device=cands.device)  # [F] tree rows of the frontier
+    out_tokens, out_parents, out_depths, out_scores = [], [], [], []
+    placed = 0
+    for slot in range(depth_count):
+        n = min(quotas(slot, placed), scores.numel() * k)
+        if n <= 0:
+            break
+        logprobs = head.logits(rnd, slot, states, cands[slot]).log_softmax(-1).clamp(max=0)
+        total = (scores[:, None] + logprobs).flatten()
+        top_scores, flat = total.topk(n)
+        branch, cand = flat // k, flat % k
+        tokens = cands[slot][cand]
+        out_tokens.append(tokens)
+        out_parents.append(rows[branch])
+        out_depths.append(torch.full((n,), slot + 1, dtype=torch.long, device=cands.device))
+        out_scores.append(top_scores)
+        rows = torch.arange(placed + 1, placed + 1 + n, device=cands.device)
+        placed += n
+        scores = top_scores
+        if slot + 1 < depth_count:
+            states = head.advance(states[branch], tokens)
+    return Supertree(torch.cat(out_tokens), torch.cat(out_parents), torch.cat(out_depths), torch.cat(out_scores))
+
+
+class DARTreeBuilder(TreeBuilder):
+    """DARTree (pruned): beam of width W per depth, then one deferred global top-B on score + beta*depth."""
+
+    name = "dartree"
+    needs_head = True
+
+    def build(self, draft, head):
+        s = self.settings
+        st = grow_supertree(draft, head, s.top_k, lambda slot, placed: s.width)
+        keep = select_top_b(st.scores + s.beta * st.depths.to(st.scores.dtype), st.parents, s.budget)
+        return subtree(st.tokens, st.parents, st.depths, keep)
+
+
+class DARTreeFixedBuilder(TreeBuilder):
+    """DARTree (fixed): a per-depth quota ceil(remaining / remaining depths), exactly B nodes, no pruning."""
+
+    name = "dartree-fixed"
+    needs_head = True
+
+    def build(self, draft, head):
+        budget = self.settings.budget
+        depth_count = draft.base_logits.shape[0]
+
+        def quota(slot, placed):
+            return -(-(budget - placed) // (depth_count - slot))
+
+        st = grow_supertree(draft, head, self.settings.top_k, quota)
+        return DraftTree(st.tokens, st.parents, st.depths)
+
+
+BUILDERS = {
+    b.name: b
+    for b in (
+        AutoregressiveBuilder,
+        DFlashBuilder,
+        DDTreeBuilder,
+        DominoBuilder,
+        DominoDDTreeBuilder,
+        HeapBuilder,
+        DARTreeBuilder,
+        DARTreeFixedBuilder,
+    )
+}
+
+
+def make_builder(method: str, settings: TreeSettings | None = None) -> TreeBuilder:
+    if method not in BUILDERS:
+        raise DartreeError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
+    settings = settings or TreeSettings()
+    settings.validate()
+    return BUILDERS[method](settings)

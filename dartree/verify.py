@@ -1,0 +1,84 @@
+"""Tree verification: ancestor masks, sampling the target at every node, and the walk.
+
+The walk makes every method lossless at any temperature: at each node the target's own choice
+(argmax, or an independent sample of its distribution) is drawn; we follow the child carrying that
+token; the first choice with no matching child becomes the next bonus token. Every committed token
+is therefore a draw from the target given the committed prefix.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .errors import DartreeError
+from .trees import DraftTree
+
+
+def ancestor_matrix(tree: DraftTree) -> torch.Tensor:
+    """Boolean [N+1, N+1]: row i marks node i and its ancestors (row/col 0 is the root)."""
+    n = len(tree) + 1
+    vis = torch.eye(n, dtype=torch.bool, device=tree.tokens.device)
+    if n == 1:
+        return vis
+    # Parents precede children, so filling depth by depth copies finished parent rows.
+    for depth in range(1, int(tree.depths.max()) + 1):
+        rows = torch.nonzero(tree.depths == depth).flatten() + 1
+        vis[rows] |= vis[tree.parents[rows - 1]]
+    return vis
+
+
+def follow_tree(tree: DraftTree, choices: torch.Tensor) -> tuple[list[int], int]:
+    """Walk from the root along children that match the target's choice at each node.
+
+    choices [N+1]: the target's token at every tree row. Returns the accepted rows (root first) and
+    the next bonus token (the target's choice at the last accepted row).
+    """
+    picked = choices.tolist()
+    children = {(p, t): i + 1 for i, (p, t) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist()))}
+    accepted = [0]
+    while (child := children.get((accepted[-1], picked[accepted[-1]]))) is not None:
+        accepted.append(child)
+    return accepted, picked[accepted[-1]]
+
+
+class Sampler:
+    """The target's own choice: argmax at temperature 0, else a sample after temperature/top-k/top-p."""
+
+    def __init__(self, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int | None = 0, device="cpu"):
+        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+            raise DartreeError(f"temperature must be a finite number >= 0, got {temperature!r}")
+        if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+            raise DartreeError(f"sampling_top_k must be a positive integer or None, got {top_k!r}")
+        if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+            raise DartreeError(f"top_p must be in (0, 1], got {top_p!r}")
+        self.temperature = float(temperature)
+        self.top_k = top_k
+        self.top_p = top_p
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(0 if seed is None else int(seed))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+        """The distribution actually sampled from, [n, V] (float64 for exact tests)."""
+        scores = logits.to(torch.float64) / self.temperature
+        if self.top_k is not None and self.top_k < scores.shape[-1]:
+            kth = scores.topk(self.top_k, dim=-1).values[..., -1:]
+            scores = scores.masked_fill(scores < kth, -math.inf)
+        if self.top_p is not None and self.top_p < 1:
+            sorted_scores, order = scores.sort(dim=-1, descending=True)
+            cum = sorted_scores.softmax(-1).cumsum(-1)
+            drop_sorted = (cum - sorted_scores.softmax(-1)) >= self.top_p  # keep the smallest head reaching top_p
+            drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+            scores = scores.masked_fill(drop, -math.inf)
+        return scores.softmax(-1)
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.greedy:
+            return logits.argmax(-1)
+        probs = self.probabilities(logits)
+        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)

@@ -1,0 +1,135 @@
+"""Temperature 0: every method reproduces Hugging Face greedy decoding token for token."""
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import FAMILIES, HEADS, VOCAB, hf_greedy
+
+ALL_METHODS = ("ar", "dflash", "ddtree", "domino", "domino-ddtree", "heap", "dartree", "dartree-fixed")
+HF_CACHE = {}
+
+
+def reference(pipe, family, prompt, n):
+    key = (family, tuple(prompt), n)
+    if key not in HF_CACHE:
+        HF_CACHE[key] = hf_greedy(pipe.model, prompt, n)
+    return HF_CACHE[key]
+
+
+prompts = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=7)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("head", HEADS)
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    prompt=prompts,
+    budget=st.sampled_from([1, 3, 8, 16]),
+    width=st.sampled_from([1, 3, 12]),
+    top_k=st.sampled_from([2, 8, 64]),
+    seed=st.integers(0, 2**16),
+)
+def test_every_method_matches_hf_greedy(pipelines, family, head, prompt, budget, width, top_k, seed):
+    pipe = pipelines[(family, head)]
+    want = reference(pipe, family, prompt, 20)
+    for method in pipe.methods:
+        got = pipe.generate(input_ids=prompt, method=method, max_new_tokens=20, budget=budget, width=width,
+                            top_k=top_k, seed=seed, stop_token_ids=[])
+        assert got.token_ids == want, f"{method} diverged from greedy decoding"
+        assert sum(got.stats.acceptance_lengths) >= len(want) - 1
+
+
+def test_all_methods_are_exercised(pipelines):
+    assert set(pipelines[("llama", "domino")].methods) == set(ALL_METHODS)
+    assert set(pipelines[("llama", "markov")].methods) == set(ALL_METHODS)
+    assert set(pipelines[("llama", None)].methods) == {"ar", "dflash", "ddtree"}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_trees_accept_several_tokens_per_round(pipelines, family):
+    """The exactness tests above mean little if no draft is ever accepted: check they are."""
+    pipe = pipelines[(family, "domino")]
+    for method in ("ddtree", "dartree", "heap"):
+        best = max(
+            max(pipe.generate(input_ids=[p, (p + 3) % VOCAB], method=method, max_new_tokens=30, budget=16,
+                              stop_token_ids=[]).stats.acceptance_lengths)
+            for p in range(VOCAB)
+        )
+        assert best >= 3, method
+
+
+def _round_with_long_acceptance(pipe, method, prompts, n):
+    """Find (prompt, tokens, offset) where one round committed >= 3 tokens, the middle one fresh."""
+    for prompt in prompts:
+        res = pipe.generate(input_ids=prompt, method=method, max_new_tokens=n, budget=16, stop_token_ids=[])
+        pos = 1  # first token comes from prefill
+        for tau in res.stats.acceptance_lengths:
+            if tau >= 3 and pos + 1 < n:
+                mid = pos + 1  # strictly inside the accepted run
+                if res.token_ids[mid] not in res.token_ids[:mid]:
+                    return prompt, res.token_ids, mid
+            pos += tau
+    return None
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("method", ["ddtree", "domino-ddtree", "heap", "dartree", "dartree-fixed"])
+def test_stop_token_inside_an_accepted_run(pipelines, family, method):
+    pipe = pipelines[(family, "domino")]
+    prompts = [[a, b] for a in range(VOCAB) for b in range(VOCAB)]
+    found = _round_with_long_acceptance(pipe, method, prompts, 30)
+    assert found is not None, "no round accepted 3+ tokens with a fresh token inside"
+    prompt, tokens, mid = found
+    stop = tokens[mid]
+    got = pipe.generate(input_ids=prompt, method=method, max_new_tokens=30, budget=16, stop_token_ids=[stop])
+    assert got.token_ids == tokens[: mid + 1]
+    assert got.token_ids == hf_greedy(pipe.model, prompt, 30, eos=stop)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("method", ["dflash", "ddtree", "domino", "heap", "dartree", "dartree-fixed"])
+def test_max_new_tokens_reached_mid_tree(pipelines, family, method):
+    pipe = pipelines[(family, "domino")]
+    prompts = [[a, b] for a in range(VOCAB) for b in range(VOCAB)]
+    for prompt in prompts:
+        full = pipe.generate(input_ids=prompt, method=method, max_new_tokens=30, budget=16, stop_token_ids=[])
+        pos = 1
+        for tau in full.stats.acceptance_lengths:
+            if tau >= 2:
+                limit = pos + 1  # ends inside this round's accepted run
+                got = pipe.generate(input_ids=prompt, method=method, max_new_tokens=limit, budget=16, stop_token_ids=[])
+                assert got.token_ids == full.token_ids[:limit] == hf_greedy(pipe.model, prompt, limit)
+                assert len(got.token_ids) == limit
+                return
+            pos += tau
+    pytest.fail("no round accepted 2+ tokens")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("head", HEADS)
+def test_one_token_prompt(pipelines, family, head):
+    pipe = pipelines[(family, head)]
+    for token in range(VOCAB):
+        want = hf_greedy(pipe.model, [token], 12)
+        for method in pipe.methods:
+            assert pipe.generate(input_ids=[token], method=method, max_new_tokens=12, budget=8,
+                                 stop_token_ids=[]).token_ids == want, method
+
+
+def test_drafter_with_mask_embedding_and_text_prompt(model_dirs, tmp_path):
+    import torch
+
+    import dartree
+    from dartree.tiny import make_tiny_drafter
+
+    target = model_dirs[("llama", "target")]
+    drafter = make_tiny_drafter(tmp_path / "d", target, head="domino", use_mask_embedding=True)
+    pipe = dartree.load(target, drafter, dtype=torch.float64)
+    prompt = "w1 w2 w3"
+    ids = pipe.tokenizer(prompt)["input_ids"]
+    want = hf_greedy(pipe.model, ids, 10)
+    for method in pipe.methods:
+        res = pipe.generate(prompt, method=method, max_new_tokens=10, stop_token_ids=[])
+        assert res.token_ids == want
+        assert res.text == pipe.tokenizer.decode(want, skip_special_tokens=True)
