@@ -1,0 +1,135 @@
+"""Temperature 1: the joint distribution of the first generated tokens is the target's own.
+
+t1 comes from the prefill; t2 and t3 come from the first draft round (the root's sample, then the
+sample at the accepted child), so the joint of (t1, t2, t3) checks the acceptance rule itself.
+"""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+import dartree
+import dartree.decoding
+from dartree.tiny import make_tiny_drafter, make_tiny_target
+from dartree.verify import Sampler
+
+VOCAB = 4
+PROMPT = [1, 2]
+SAMPLES = 2000
+P_VALUE_Z = 3.719  # one-sided normal quantile for p = 1e-4
+
+
+@pytest.fixture(scope="module")
+def small_pipes(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tinyvocab")
+    target = make_tiny_target(root / "t", vocab_size=VOCAB, hidden_size=16, num_layers=2, seed=3)
+    pipes = {}
+    for head in ("domino", "markov"):
+        drafter = make_tiny_drafter(root / f"d-{head}", target, head=head, block_size=4, seed=5)
+        pipes[head] = dartree.load(target, drafter, dtype=torch.float64)
+    return pipes
+
+
+def exact_joint(model, prompt, length):
+    """p(t1..tn | prompt) for every token sequence, by enumeration with full forwards."""
+    probs = {}
+    for seq in itertools.product(range(VOCAB), repeat=length):
+        ids = torch.tensor([prompt + list(seq)])
+        with torch.no_grad():
+            logp = model(ids).logits[0].log_softmax(-1)
+        total = sum(logp[len(prompt) - 1 + i, seq[i]].item() for i in range(length))
+        probs[seq] = math.exp(total)
+    return probs
+
+
+def chi_square_rejects(counts, probs, n):
+    """Pearson chi-square goodness of fit at p = 1e-4 (cells with expectation < 5 pooled)."""
+    stat, pooled_obs, pooled_exp, df = 0.0, 0, 0.0, -1
+    for cell, p in probs.items():
+        expected = n * p
+        if expected < 5:
+            pooled_obs += counts.get(cell, 0)
+            pooled_exp += expected
+            continue
+        stat += (counts.get(cell, 0) - expected) ** 2 / expected
+        df += 1
+    if pooled_exp > 0:
+        stat += (pooled_obs - pooled_exp) ** 2 / max(pooled_exp, 1e-12)
+        df += 1
+    # Wilson-Hilferty approximation of the chi-square quantile
+    crit = df * (1 - 2 / (9 * df) + P_VALUE_Z * math.sqrt(2 / (9 * df))) ** 3
+    return stat > crit, stat, crit
+
+
+def empirical(pipe, method, length=3):
+    counts = {}
+    for seed in range(SAMPLES):
+        res = pipe.generate(input_ids=PROMPT, method=method, max_new_tokens=length, temperature=1.0, seed=seed,
+                            budget=4, width=2, top_k=4, stop_token_ids=[])
+        key = tuple(res.token_ids)
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+@pytest.fixture(scope="module")
+def truth(small_pipes):
+    return exact_joint(small_pipes["domino"].model, PROMPT, 3)
+
+
+METHODS_BY_HEAD = [("domino", m) for m in dartree.METHODS] + [("markov", m) for m in ("domino", "heap", "dartree")]
+
+
+@pytest.mark.parametrize("head,method", METHODS_BY_HEAD)
+def test_joint_distribution_matches_target(small_pipes, truth, head, method):
+    counts = empirical(small_pipes[head], method)
+    rejected, stat, crit = chi_square_rejects(counts, truth, SAMPLES)
+    assert not rejected, f"{method}: chi-square {stat:.1f} > {crit:.1f}"
+
+
+def test_first_round_accepts_drafts(small_pipes):
+    """The check above is only meaningful if the walk does accept draft nodes at T = 1."""
+    res = [small_pipes["domino"].generate(input_ids=PROMPT, method="dartree", max_new_tokens=3, temperature=1.0, seed=s,
+                                          budget=4, width=2, top_k=4, stop_token_ids=[]) for s in range(200)]
+    assert sum(r.stats.acceptance_lengths[0] >= 2 for r in res) >= 20
+
+
+def test_a_draft_trusting_walk_is_caught(small_pipes, truth, monkeypatch):
+    """Wrong rule: follow the first child unconditionally. The test must reject it."""
+    from dartree import verify
+
+    def trusting_walk(tree, choices):
+        accepted, picked = [0], choices.tolist()
+        kids = [i + 1 for i, p in enumerate(tree.parents.tolist()) if p == 0]
+        if kids:
+            accepted.append(kids[0])
+        return accepted, picked[accepted[-1]]
+
+    monkeypatch.setattr(dartree.decoding, "follow_tree", trusting_walk)
+    assert verify.follow_tree is not trusting_walk
+    rejected, stat, crit = chi_square_rejects(empirical(small_pipes["domino"], "dartree"), truth, SAMPLES)
+    assert rejected, f"wrong rule not detected: {stat:.1f} <= {crit:.1f}"
+
+
+def test_shared_noise_across_nodes_is_caught(small_pipes, truth, monkeypatch):
+    """Wrong rule: one uniform draw reused at every tree node (samples not independent)."""
+
+    def shared_noise(self, logits):
+        probs = self.probabilities(logits)
+        u = torch.rand(1, generator=self.generator, dtype=probs.dtype)
+        return (probs.cumsum(-1) < u).sum(-1).clamp(max=probs.shape[-1] - 1)
+
+    monkeypatch.setattr(Sampler, "__call__", shared_noise)
+    rejected, stat, crit = chi_square_rejects(empirical(small_pipes["domino"], "dartree"), truth, SAMPLES)
+    assert rejected, f"wrong rule not detected: {stat:.1f} <= {crit:.1f}"
+
+
+def test_top_k_and_top_p_warp_the_target_distribution():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]], dtype=torch.float64)
+    p = Sampler(1.0, top_k=2).probabilities(logits)[0]
+    assert p[2] == 0 and p[3] == 0 and torch.isclose(p[:2].sum(), torch.tensor(1.0, dtype=torch.float64))
+    full = logits.softmax(-1)[0]
+    q = Sampler(1.0, top_p=float(full[0]) + 1e-9).probabilities(logits)[0]
+    assert q[0] > 0 and q[1] > 0 and q[2] == 0 and q[3] == 0
+    assert torch.allclose(Sampler(0.5).probabilities(logits), (logits / 0.5).softmax(-1))
