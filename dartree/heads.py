@@ -48,7 +48,8 @@ class CorrectionHead(nn.Module):
     def initial_state(self, bonus: int) -> torch.Tensor:
         raise NotImplementedError
 
-    def advance(self, states: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    def advance(self, states: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """States of paths extended by one token: child i extends states[rows[i]] (rows None: row i)."""
         raise NotImplementedError
 
     def delta(self, rnd: HeadRound, slot: int, states: torch.Tensor, out_rows: torch.Tensor) -> torch.Tensor:
@@ -93,10 +94,24 @@ class DominoHead(CorrectionHead):
         w1 = self.embed_proj[0].weight
         return HeadRound(hidden, base_logits, hidden_proj=hidden @ w1[:, : self.hidden_size].T)
 
-    def _gru_step(self, states: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        # PyTorch GRU gate order (r, z, n), no biases.
-        gi = self._embed(tokens) @ self.prefix_gru.weight_ih_l0.T
-        gh = states @ self.prefix_gru.weight_hh_l0.T
+    def _gru_step(self, states: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        # PyTorch GRU gate order (r, z, n), no biases. The input projection depends only on the
+        # token and the hidden projection only on the parent, so a batch computes each once:
+        # beams concentrate on a few parents and repeat tokens across parents.
+        if tokens.numel() > 1:
+            uniq_tokens, token_of = tokens.unique(return_inverse=True)
+            gi = (self._embed(uniq_tokens) @ self.prefix_gru.weight_ih_l0.T)[token_of]
+        else:
+            gi = self._embed(tokens) @ self.prefix_gru.weight_ih_l0.T
+        if rows is not None and rows.numel() > 1:
+            uniq_rows, row_of = rows.unique(return_inverse=True)
+            parent_states = states[uniq_rows]
+            gh = (parent_states @ self.prefix_gru.weight_hh_l0.T)[row_of]
+            states = parent_states[row_of]
+        else:
+            if rows is not None:
+                states = states[rows]
+            gh = states @ self.prefix_gru.weight_hh_l0.T
         i_r, i_z, i_n = gi.chunk(3, dim=-1)
         h_r, h_z, h_n = gh.chunk(3, dim=-1)
         r = torch.sigmoid(i_r + h_r)
@@ -109,8 +124,8 @@ class DominoHead(CorrectionHead):
         zeros = torch.zeros(1, w.shape[1], dtype=w.dtype, device=w.device)
         return self._gru_step(zeros, torch.tensor([bonus], device=w.device))
 
-    def advance(self, states, tokens):
-        return self._gru_step(states, tokens)
+    def advance(self, states, tokens, rows=None):
+        return self._gru_step(states, tokens, rows)
 
     def output_rows(self, candidates):
         w2 = self.embed_proj[2].weight
@@ -138,7 +153,7 @@ class MarkovHead(CorrectionHead):
     def initial_state(self, bonus):
         return self.markov_w1.weight[bonus][None]
 
-    def advance(self, states, tokens):
+    def advance(self, states, tokens, rows=None):
         return self.markov_w1(tokens)
 
     def output_rows(self, candidates):

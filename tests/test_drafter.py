@@ -1,0 +1,111 @@
+"""Drafter backbone and heads: on-disk format, KV-cache cropping, label conventions, head maths."""
+
+import json
+
+import pytest
+import torch
+
+from dartree.drafter import DraftProposer, DrafterConfig, default_target_layer_ids, load_drafter, save_drafter
+from dartree.tiny import make_tiny_drafter
+
+
+def test_published_default_layer_ids():
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+
+
+@pytest.mark.parametrize("head", [None, "domino", "markov"])
+def test_save_load_round_trip(model_dirs, tmp_path, head):
+    src = model_dirs[("llama", head)]
+    model = load_drafter(src, dtype=torch.float64)
+    save_drafter(model, tmp_path / "copy")
+    again = load_drafter(tmp_path / "copy", dtype=torch.float64)
+    assert json.loads((src / "config.json").read_text()) == json.loads((tmp_path / "copy" / "config.json").read_text())
+    a, b = model.state_dict(), again.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_on_disk_names_are_the_published_ones(model_dirs):
+    from safetensors import safe_open
+
+    names = set(safe_open(str(model_dirs[("llama", "domino")] / "model.safetensors"), "pt").keys())
+    for name in ("fc.weight", "hidden_norm.weight", "norm.weight", "layers.0.self_attn.q_proj.weight",
+                 "layers.0.self_attn.q_norm.weight", "layers.0.mlp.gate_proj.weight", "prefix_gru.weight_ih_l0",
+                 "prefix_gru.weight_hh_l0", "embed_proj.0.weight", "embed_proj.2.weight"):
+        assert name in names
+    markov = set(safe_open(str(model_dirs[("llama", "markov")] / "model.safetensors"), "pt").keys())
+    assert {"markov_w1.weight", "markov_w2.weight"} <= markov
+    cfg = json.loads((model_dirs[("llama", "domino")] / "config.json").read_text())
+    assert cfg["dflash_config"]["projector_type"] == "domino" and cfg["dflash_config"]["shift_label"] is True
+
+
+def test_legacy_projector_name(model_dirs):
+    raw = json.loads((model_dirs[("llama", "domino")] / "config.json").read_text())
+    raw["dflash_config"]["projector_type"] = "causal_v5"
+    assert DrafterConfig.from_dict(raw).projector_type == "domino"
+
+
+@pytest.mark.parametrize("shift", [False, True])
+def test_label_convention_sets_the_number_of_depths(model_dirs, tmp_path, shift):
+    from transformers import AutoModelForCausalLM
+
+    target_dir = model_dirs[("llama", "target")]
+    d = make_tiny_drafter(tmp_path / "d", target_dir, head=None, block_size=6, shift_label=shift)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float64)
+    proposer = DraftProposer(load_drafter(d, dtype=torch.float64), target.get_input_embeddings(), target.get_output_embeddings())
+    feats = torch.randn(3, 2 * 32, dtype=torch.float64)
+    out = proposer.draft(bonus=1, new_features=feats, start=3)
+    assert out.hidden.shape[0] == out.base_logits.shape[0] == (6 if shift else 5)
+
+
+def test_drafter_cache_is_cropped_to_the_context(model_dirs):
+    """Feeding the context in pieces over several rounds equals feeding it at once."""
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(model_dirs[("llama", "target")], dtype=torch.float64)
+    model = load_drafter(model_dirs[("llama", "domino")], dtype=torch.float64)
+    feats = torch.randn(9, 64, dtype=torch.float64)
+    a = DraftProposer(model, target.get_input_embeddings(), target.get_output_embeddings())
+    a.draft(2, feats[:4], 4)
+    assert a.cache.length == 4
+    a.draft(3, feats[4:7], 7)
+    last = a.draft(5, feats[7:], 9)
+    b = DraftProposer(model, target.get_input_embeddings(), target.get_output_embeddings())
+    whole = b.draft(5, feats, 9)
+    torch.testing.assert_close(last.base_logits, whole.base_logits, rtol=0, atol=1e-10)
+
+
+def test_gru_step_equals_torch_gru(model_dirs):
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(model_dirs[("llama", "target")], dtype=torch.float64)
+    head = load_drafter(model_dirs[("llama", "domino")], dtype=torch.float64).head
+    head.bind(target.get_input_embeddings())
+    tokens = torch.tensor([3, 1, 4, 1, 5])
+    ref, _ = head.prefix_gru(target.get_input_embeddings()(tokens)[None])
+    state = head.initial_state(int(tokens[0]))
+    torch.testing.assert_close(state[0], ref[0, 0])
+    for i in range(1, len(tokens)):
+        state = head.advance(state, tokens[i:i + 1])
+        torch.testing.assert_close(state[0], ref[0, i])
+
+
+@pytest.mark.parametrize("head_kind", ["domino", "markov"])
+def test_teacher_forced_block_logits_equal_incremental_logits(model_dirs, head_kind):
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(model_dirs[("llama", "target")], dtype=torch.float64)
+    head = load_drafter(model_dirs[("llama", head_kind)], dtype=torch.float64).head
+    head.bind(target.get_input_embeddings())
+    q = 5
+    hidden = torch.randn(1, q, 32, dtype=torch.float64)
+    base = target.get_output_embeddings()(hidden)
+    prev = torch.tensor([[2, 7, 1, 0, 3]])  # slot k conditions on prev[:k+1]
+    block = head.block_logits(hidden, base, prev)[0]
+    rnd = head.start_round(hidden[0], base[0])
+    state = head.initial_state(int(prev[0, 0]))
+    for k in range(q):
+        torch.testing.assert_close(block[k], head.logits(rnd, k, state)[0], rtol=0, atol=1e-10)
+        if k + 1 < q:
+            state = head.advance(state, prev[0, k + 1:k + 2])
+    if head_kind == "domino":
+        torch.testing.assert_close(block[0], base[0, 0])  # pure-draft prefix slot

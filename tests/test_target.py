@@ -1,0 +1,104 @@
+"""Target adapter: tapped states, the tree forward with its ancestor mask, and KV compaction."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from dartree.target import TargetAdapter
+from dartree.trees import DraftTree
+from dartree.verify import ancestor_matrix, follow_tree
+from conftest import FAMILIES
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def hf_model(request, model_dirs):
+    return AutoModelForCausalLM.from_pretrained(model_dirs[(request.param, "target")], dtype=torch.float64)
+
+
+def test_hooks_equal_hf_hidden_states(hf_model):
+    layers = [0, 1, 2]  # HF's last hidden_states entry is after the final norm, so the last layer is not compared
+    adapter = TargetAdapter(hf_model, layers)
+    ids = torch.tensor([3, 1, 4, 1, 5])
+    _, feats = adapter.prefill(ids)
+    ref = hf_model(ids[None], output_hidden_states=True).hidden_states
+    h = hf_model.config.hidden_size
+    for j, layer in enumerate(layers):
+        torch.testing.assert_close(feats[:, j * h:(j + 1) * h], ref[layer + 1][0], rtol=0, atol=1e-12)
+    adapter.close()
+
+
+def sample_tree():
+    # root 0; node rows 1..6:  1(d1) 2(d1) 3(d2, parent 1) 4(d2, parent 1) 5(d3, parent 4) 6(d2, parent 2)
+    return DraftTree.from_lists([5, 6, 1, 2, 7, 3], [0, 0, 1, 1, 4, 2], [1, 1, 2, 2, 3, 2])
+
+
+def test_ancestor_matrix():
+    vis = ancestor_matrix(sample_tree())
+    want = {0: {0}, 1: {0, 1}, 2: {0, 2}, 3: {0, 1, 3}, 4: {0, 1, 4}, 5: {0, 1, 4, 5}, 6: {0, 2, 6}}
+    for row, cols in want.items():
+        assert set(torch.nonzero(vis[row]).flatten().tolist()) == cols
+
+
+def test_tree_mask_is_additive_and_sees_the_prefix(hf_model):
+    adapter = TargetAdapter(hf_model, [])
+    adapter.prefill(torch.tensor([1, 2, 3]))
+    mask = adapter.tree_mask(ancestor_matrix(sample_tree()))
+    assert mask.shape == (1, 1, 7, 3 + 7)
+    assert torch.all(mask[..., :3] == 0)
+    assert mask[0, 0, 5, 3 + 4] == 0 and mask[0, 0, 5, 3 + 2] == torch.finfo(torch.float64).min
+
+
+def test_tree_forward_equals_sequential_forward_on_every_path(hf_model):
+    """Each node's logits equal a plain causal forward over prefix + its root-to-node path."""
+    prefix = [4, 0, 6]
+    tree = sample_tree()
+    adapter = TargetAdapter(hf_model, [1])
+    adapter.prefill(torch.tensor(prefix))
+    root = 2
+    rows = torch.cat([torch.tensor([root]), tree.tokens])
+    depths = torch.cat([torch.tensor([0]), tree.depths])
+    logits, feats = adapter.forward_tree(rows, depths, adapter.tree_mask(ancestor_matrix(tree)))
+    parents = [-1] + tree.parents.tolist()
+    for row in range(len(rows)):
+        path, r = [], row
+        while r != -1:
+            path.append(int(rows[r]))
+            r = parents[r]
+        seq = torch.tensor([prefix + path[::-1]])
+        out = hf_model(seq, output_hidden_states=True)
+        torch.testing.assert_close(logits[row], out.logits[0, -1], rtol=0, atol=1e-10)
+        torch.testing.assert_close(feats[row], out.hidden_states[2][0, -1], rtol=0, atol=1e-10)
+
+
+def test_compaction_keeps_the_accepted_path(hf_model):
+    prefix = [4, 0, 6]
+    tree = sample_tree()
+    adapter = TargetAdapter(hf_model, [])
+    adapter.prefill(torch.tensor(prefix))
+    rows = torch.cat([torch.tensor([2]), tree.tokens])
+    depths = torch.cat([torch.tensor([0]), tree.depths])
+    adapter.forward_tree(rows, depths, adapter.tree_mask(ancestor_matrix(tree)))
+    accepted = torch.tensor([0, 1, 4, 5])  # root -> 5 -> 2 -> 7
+    adapter.compact(len(prefix), accepted)
+    assert adapter.cache_length == len(prefix) + 4
+    # Continuing from the compacted cache equals a fresh forward over the committed sequence.
+    next_logits, _ = adapter.forward_tree(torch.tensor([1]), torch.tensor([0]), None)
+    committed = prefix + rows[accepted].tolist() + [1]
+    ref = hf_model(torch.tensor([committed])).logits[0, -1]
+    torch.testing.assert_close(next_logits[0], ref, rtol=0, atol=1e-10)
+    # and the cache itself equals the fresh cache of the committed tokens
+    fresh = TargetAdapter(hf_model, [])
+    fresh.prefill(torch.tensor(committed[:-1]))
+    for a, b in zip(adapter.cache.layers, fresh.cache.layers):
+        torch.testing.assert_close(a.keys[:, :, : len(committed) - 1], b.keys, rtol=0, atol=1e-10)
+        torch.testing.assert_close(a.values[:, :, : len(committed) - 1], b.values, rtol=0, atol=1e-10)
+
+
+def test_walk_follows_matching_children():
+    tree = sample_tree()
+    # target choices per row: root picks 5 (row 1), row 1 picks 2 (row 4), row 4 picks 7 (row 5), row 5 picks 0
+    choices = torch.tensor([5, 2, 9, 9, 7, 0, 9])
+    accepted, bonus = follow_tree(tree, choices)
+    assert accepted == [0, 1, 4, 5] and bonus == 0
+    accepted, bonus = follow_tree(tree, torch.tensor([3, 0, 0, 0, 0, 0, 0]))
+    assert accepted == [0] and bonus == 3
