@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--out", help="also write the table to this markdown file")
     _add_tree_args(bt)
 
+    from .train.cli import add_train_parser
+
+    add_train_parser(sub)
     return parser
 
 

@@ -1,0 +1,16 @@
+"""Prompt formats shared by training data and benchmarks (the published evaluation formats)."""
+
+MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+CODE_TEMPLATE = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{prompt}\n```"
+
+
+def math_prompt(problem: str) -> str:
+    return f"{problem}{MATH_SUFFIX}"
+
+
+def code_prompt(prompt: str) -> str:
+    return CODE_TEMPLATE.format(prompt=prompt)
+
+
+def instruction_prompt(instruction: str, context: str = "") -> str:
+    return f"{instruction}\n\nInput:\n{context}" if context and context.strip() else instruction

@@ -1,0 +1,1 @@
+"""Self-distillation training of the drafter and its correction heads (``dartree train``)."""

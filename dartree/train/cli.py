@@ -1,0 +1,53 @@
+"""``dartree train``: data generation, drafter + Domino head, Markov head. Every step resumes."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+DEFAULT_TAPPED = "1,7,14,21,27"
+
+
+def add_train_parser(sub) -> None:
+    train = sub.add_parser(
+        "train",
+        help="train a drafter and its correction heads by self-distillation",
+        description="Self-distillation on the target's own responses. Steps: `data` (the target writes responses, "
+        "stored as token-id shards with its tapped states), `drafter` (block drafter + Domino head with the "
+        "base-anchored curriculum), `markov` (Markov head on the frozen drafter). Each step resumes from its "
+        "checkpoint when run again.",
+    )
+    steps = train.add_subparsers(dest="step", metavar="STEP")
+
+    data = steps.add_parser("data", help="generate target-written responses into shards")
+    data.add_argument("--target", help="target directory (default: bundled SmolLM2-135M-Instruct)")
+    data.add_argument("--prompts", default="../shared/prompts", help="training prompts folder (default ../shared/prompts)")
+    data.add_argument("--out", default="runs/data", help="shard folder (default runs/data)")
+    data.add_argument("--tapped", default=DEFAULT_TAPPED, help=f"target layers to tap (default {DEFAULT_TAPPED})")
+    data.add_argument("--num-prompts", type=int, default=1536)
+    data.add_argument("--batch-size", type=int, default=48)
+    data.add_argument("--max-new-tokens", type=int, default=256)
+    data.add_argument("--sample-fraction", type=float, default=0.25, help="share of shards sampled at T=1 (rest greedy)")
+    data.add_argument("--max-minutes", type=float, default=None, help="stop cleanly after this long (resume later)")
+    data.add_argument("--seed", type=int, default=0)
+    data.set_defaults(func=_run_data)
+
+    from .drafter import add_drafter_args
+
+    add_drafter_args(steps)
+
+
+def _run_data(args) -> int:
+    import torch
+
+    from ..default_model import default_target_dir
+    from ..pipeline import load_target, load_tokenizer
+    from .data import generate_data
+
+    target = Path(args.target) if args.target else default_target_dir()
+    model = load_target(target, torch.float32, "cpu")
+    tokenizer = load_tokenizer(target)
+    tapped = [int(x) for x in args.tapped.split(",")]
+    generate_data(model, tokenizer, tapped, args.prompts, args.out, args.num_prompts, args.batch_size,
+                  args.max_new_tokens, args.sample_fraction, args.seed, args.max_minutes)
+    return 0
