@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .train.cli import add_train_parser
 
     add_train_parser(sub)
+    from .bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

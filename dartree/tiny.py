@@ -67,6 +67,7 @@ def _save_word_tokenizer(directory: Path, vocab_size: int) -> None:
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0")
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     fast.save_pretrained(directory)
 
 

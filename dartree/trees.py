@@ -89,22 +89,23 @@ def best_first_marginals(logprobs: torch.Tensor, budget: int) -> DraftTree:
     top_lp, top_ids = logprobs.topk(k, dim=-1)
     lp, ids = top_lp.tolist(), top_ids.tolist()
     tokens, parents, depths = [], [], []
-    # (-score, tie, parent_row, depth, rank, score)
-    heap = [(-lp[0][0], 0, 0, 1, 0, lp[0][0])]
+    # (-score, tie, parent row, depth, rank, parent score)
+    heap = [(-lp[0][0], 0, 0, 1, 0, 0.0)]
     tie = 1
     while heap and len(tokens) < budget:
-        _, _, parent, depth, rank, score = heapq.heappop(heap)
+        _, _, parent, depth, rank, parent_score = heapq.heappop(heap)
+        score = parent_score + lp[depth - 1][rank]
         tokens.append(ids[depth - 1][rank])
         parents.append(parent)
         depths.append(depth)
         row = len(tokens)
         if rank + 1 < k:
-            sib = score - lp[depth - 1][rank] + lp[depth - 1][rank + 1]
-            heapq.heappush(heap, (-sib, tie, parent, depth, rank + 1, sib))
+            sib = parent_score + lp[depth - 1][rank + 1]
+            heapq.heappush(heap, (-sib, tie, parent, depth, rank + 1, parent_score))
             tie += 1
         if depth < depth_count:
             child = score + lp[depth][0]
-            heapq.heappush(heap, (-child, tie, row, depth + 1, 0, child))
+            heapq.heappush(heap, (-child, tie, row, depth + 1, 0, score))
             tie += 1
     return DraftTree.from_lists(tokens, parents, depths, device=logprobs.device)
 
@@ -241,27 +242,28 @@ class HeapBuilder(TreeBuilder):
         root_state = head.initial_state(draft.bonus)
         root_lps, root_toks = expand(root_state, 0)
         expanded = {0: (root_lps, root_toks, root_state)}
-        heap = [(-(root_lps[0] + s.beta), 0, 0, 1, 0, root_lps[0])]
+        # entries: (-(score + beta * depth), tie, parent row, depth, rank among the parent's children, parent score)
+        heap = [(-(root_lps[0] + s.beta), 0, 0, 1, 0, 0.0)]
         tokens, parents, depths = [], [], []
         tie = 1
         while heap and len(tokens) < s.budget:
-            _, _, parent, depth, rank, score = heapq.heappop(heap)
+            _, _, parent, depth, rank, parent_score = heapq.heappop(heap)
             lps, toks, parent_state = expanded[parent]
-            token = toks[rank]
+            token, score = toks[rank], parent_score + lps[rank]
             tokens.append(token)
             parents.append(parent)
             depths.append(depth)
             row = len(tokens)
-            if rank + 1 < len(lps):
-                sib = score - lps[rank] + lps[rank + 1]
-                heapq.heappush(heap, (-(sib + s.beta * depth), tie, parent, depth, rank + 1, sib))
+            if rank + 1 < len(lps):  # the next sibling can only be popped after this one
+                sib = parent_score + lps[rank + 1]
+                heapq.heappush(heap, (-(sib + s.beta * depth), tie, parent, depth, rank + 1, parent_score))
                 tie += 1
-            if depth < depth_count:
+            if depth < depth_count:  # this node's own correction: one sequential head call per pop
                 state = head.advance(parent_state, torch.tensor([token], device=cands.device))
                 child_lps, child_toks = expand(state, depth)
                 expanded[row] = (child_lps, child_toks, state)
                 child = score + child_lps[0]
-                heapq.heappush(heap, (-(child + s.beta * (depth + 1)), tie, row, depth + 1, 0, child))
+                heapq.heappush(heap, (-(child + s.beta * (depth + 1)), tie, row, depth + 1, 0, score))
                 tie += 1
         return DraftTree.from_lists(tokens, parents, depths, device=cands.device)
 

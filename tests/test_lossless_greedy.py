@@ -127,7 +127,7 @@ def test_drafter_with_mask_embedding_and_text_prompt(model_dirs, tmp_path):
     drafter = make_tiny_drafter(tmp_path / "d", target, head="domino", use_mask_embedding=True)
     pipe = dartree.load(target, drafter, dtype=torch.float64)
     prompt = "w1 w2 w3"
-    ids = pipe.tokenizer(prompt)["input_ids"]
+    ids = pipe.encode(prompt=prompt).tolist()
     want = hf_greedy(pipe.model, ids, 10)
     for method in pipe.methods:
         res = pipe.generate(prompt, method=method, max_new_tokens=10, stop_token_ids=[])

@@ -89,7 +89,7 @@ class _Capture:
 @torch.no_grad()
 def generate_batch(model, tapped: list[int], prompts: list[list[int]], max_new_tokens: int, temperature: float,
                    stop_ids: set[int], pad_id: int, generator: torch.Generator) -> list[Sequence]:
-    from transformers import DynamicCache
+    from transformers import StaticCache
 
     n, width = len(prompts), max(len(p) for p in prompts)
     ids = torch.full((n, width), pad_id, dtype=torch.long)
@@ -100,7 +100,8 @@ def generate_batch(model, tapped: list[int], prompts: list[list[int]], max_new_t
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     cap = _Capture(model, tapped)
     try:
-        cache = DynamicCache(config=model.config)
+        # Preallocated: a growing cache would copy every layer's K/V at every step.
+        cache = StaticCache(config=model.config, max_cache_len=width + max_new_tokens)
         logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
         feats, finals = [], []
         f, h = cap.pop()

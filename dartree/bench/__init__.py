@@ -1,0 +1,1 @@
+"""``dartree bench``: the published evaluation protocol on CPU-sized runs, with peers and a report."""

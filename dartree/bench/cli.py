@@ -1,0 +1,102 @@
+"""``dartree bench``: run the evaluation, or rebuild its report from the records."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from ..errors import DartreeError
+from ..trees import METHODS
+from .datasets import DATASETS
+
+DEFAULT_METHODS = ",".join(METHODS) + ",hf-generate,hf-prompt-lookup"
+
+
+def add_bench_parser(sub) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="evaluate methods on the benchmark prompt sets and write a report",
+        description="Run every method x temperature x tree setting on the same seeded prompts in one process, "
+        "writing per-sample JSONL records to OUT/records.jsonl (a rerun resumes), then OUT/report.md and PNG plots. "
+        "At T=0 every method's tokens are compared with ar's. `--report DIR` only rebuilds the report.",
+    )
+    p.add_argument("--report", metavar="DIR", help="rebuild DIR/report.md and plots from DIR/records.jsonl, run nothing")
+    p.add_argument("--out", default="runs/bench", help="output folder (default runs/bench)")
+    p.add_argument("--datasets", default="gsm8k,humaneval", help=f"comma list from {','.join(DATASETS)} or 'all'")
+    p.add_argument("--methods", default=DEFAULT_METHODS, help="comma list of methods and peers (hf-generate, hf-prompt-lookup)")
+    p.add_argument("--temperatures", default="0", help="comma list, e.g. 0,1 (default 0)")
+    p.add_argument("--budgets", default="16,32,64", help="tree budgets for the tree methods (default 16,32,64)")
+    p.add_argument("--widths", default="12", help="dartree widths W, e.g. 1,2,4,8,12,16 for the ablation")
+    p.add_argument("--betas", default="-0.2", help="depth bonuses for dartree/heap, each <= 0")
+    p.add_argument("--top-k", type=int, default=64, help="candidate tokens per depth K (default 64)")
+    p.add_argument("--limit", type=int, default=20, help="prompts per dataset (seeded selection; default 20)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data-dir", help="folder with the benchmark files (default ../shared/benchmarks)")
+    p.add_argument("--target", help="target directory (default: bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--drafter", help="drafter directory (default: the shipped one)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.set_defaults(func=run_bench)
+
+
+def _floats(text, name):
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise DartreeError(f"--{name} takes comma-separated numbers, got {text!r}") from None
+
+
+def _ints(text, name):
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise DartreeError(f"--{name} takes comma-separated integers, got {text!r}") from None
+
+
+def run_bench(args) -> int:
+    from .report import build_report
+
+    if args.report:
+        path = build_report(args.report)
+        print(f"wrote {path}")
+        return 0
+
+    import torch
+
+    import dartree
+
+    from .datasets import load_samples, select
+    from .runner import PEERS, build_grid, run
+
+    datasets = list(DATASETS) if args.datasets == "all" else [d.strip() for d in args.datasets.split(",")]
+    for d in datasets:
+        if d not in DATASETS:
+            raise DartreeError(f"unknown dataset {d!r}; choose from {', '.join(DATASETS)} or 'all'")
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    for m in methods:
+        if m not in METHODS and m not in PEERS:
+            raise DartreeError(f"unknown method {m!r}; choose from {', '.join(METHODS + PEERS)}")
+    temps = _floats(args.temperatures, "temperatures")
+    budgets, widths, betas = _ints(args.budgets, "budgets"), _ints(args.widths, "widths"), _floats(args.betas, "betas")
+    for b in budgets + widths:
+        if b < 1:
+            raise DartreeError("budgets and widths must be >= 1")
+    if any(beta > 0 for beta in betas):
+        raise DartreeError("every beta must be <= 0 (a positive depth bonus breaks the top-B tree)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    pipe = dartree.load(args.target, args.drafter, dtype=args.dtype)
+    missing = [m for m in methods if m not in PEERS and m not in pipe.methods]
+    if missing:
+        raise DartreeError(f"this drafter cannot run {', '.join(missing)}; it supports {', '.join(pipe.methods)}")
+    samples = [s for d in datasets for s in select(load_samples(d, args.data_dir), args.limit, args.seed)]
+    grid = build_grid(methods, temps, budgets, widths, betas, args.top_k)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "settings.json").write_text(json.dumps({k: v for k, v in vars(args).items() if k != "func"}, indent=2))
+    print(f"{len(samples)} prompts x {len(grid)} configurations -> {out / 'records.jsonl'}", file=sys.stderr)
+    run(pipe, samples, grid, out / "records.jsonl", args.max_new_tokens, args.seed)
+    print(f"wrote {build_report(out)}")
+    return 0

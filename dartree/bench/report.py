@@ -1,0 +1,225 @@
+"""Metrics and the markdown + PNG report, rebuilt from the JSONL records alone."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .runner import read_records
+
+STAGES = ("draft", "tree", "verify", "commit")
+
+
+@dataclass
+class Summary:
+    dataset: str
+    key: str
+    method: str
+    temperature: float
+    budget: int | None
+    width: int | None
+    beta: float | None
+    samples: int = 0
+    tau_macro: float = 0.0  # mean over samples of each sample's mean acceptance length
+    tau_micro: float = 0.0  # committed tokens / rounds over all samples
+    tokens_per_second: float = 0.0  # total new tokens / total decode time
+    speedup_vs_ar: float | None = None
+    speedup_vs_hf: float | None = None
+    stage_ms_per_round: dict = field(default_factory=dict)
+    histogram: dict = field(default_factory=dict)
+    mismatches: int = 0
+
+
+def summarise(records: list[dict]) -> list[Summary]:
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in records:
+        groups[(r["dataset"], r["key"])].append(r)
+    out = []
+    for (dataset, key), rs in groups.items():
+        r0 = rs[0]
+        s = Summary(dataset, key, r0["method"], r0["temperature"], r0.get("budget"), r0.get("width"), r0.get("beta"))
+        s.samples = len(rs)
+        per_sample, tokens, rounds, decode, new = [], 0, 0, 0.0, 0
+        stages, hist = Counter(), Counter()
+        for r in rs:
+            acc = [a for t in r["turns"] for a in t["acceptance_lengths"]]
+            if acc:
+                per_sample.append(sum(acc) / len(acc))
+            tokens += sum(acc)
+            rounds += len(acc)
+            hist.update(acc)
+            for t in r["turns"]:
+                decode += t["decode_seconds"]
+                new += t["new_tokens"]
+                for k, v in (t.get("stage_ms") or {}).items():
+                    stages[k] += v
+            s.mismatches += int(r.get("matches_ar") is False)
+        s.tau_macro = sum(per_sample) / len(per_sample) if per_sample else 0.0
+        s.tau_micro = tokens / rounds if rounds else 0.0
+        s.tokens_per_second = new / decode if decode > 0 else 0.0
+        s.stage_ms_per_round = {k: stages[k] / rounds for k in STAGES if rounds}
+        s.histogram = dict(sorted(hist.items()))
+        out.append(s)
+    by = {(s.dataset, s.temperature, s.method): s for s in out if s.method in ("ar", "hf-generate")}
+    for s in out:
+        ar = by.get((s.dataset, s.temperature, "ar"))
+        hf = by.get((s.dataset, 0.0, "hf-generate"))
+        if ar and ar.tokens_per_second:
+            s.speedup_vs_ar = s.tokens_per_second / ar.tokens_per_second
+        if hf and hf.tokens_per_second:
+            s.speedup_vs_hf = s.tokens_per_second / hf.tokens_per_second
+    return out
+
+
+def _label(s: Summary) -> str:
+    return s.key.replace("|T=0", "").replace("|T=1", "")
+
+
+def markdown(summaries: list[Summary], title: str = "dartree benchmark") -> str:
+    lines = [f"# {title}", ""]
+    datasets = sorted({s.dataset for s in summaries})
+    for temp in sorted({s.temperature for s in summaries}):
+        rows = [s for s in summaries if s.temperature == temp]
+        keys = list(dict.fromkeys(_label(s) for s in sorted(rows, key=lambda s: (s.method != "ar", s.key))))
+        cell = {(s.dataset, _label(s)): s for s in rows}
+        lines += [f"## Temperature {temp:g}: τ (macro) / speedup over ar", "",
+                  "| method | " + " | ".join(datasets) + " | mean |", "|---|" + "---:|" * (len(datasets) + 1)]
+        for k in keys:
+            vals, taus, sps = [], [], []
+            for d in datasets:
+                s = cell.get((d, k))
+                if s is None:
+                    vals.append("")
+                    continue
+                sp = f"{s.speedup_vs_ar:.2f}x" if s.speedup_vs_ar else "n/a"
+                tau = f"{s.tau_macro:.2f}" if s.tau_macro else "–"
+                vals.append(f"{tau} / {sp}")
+                if s.tau_macro:
+                    taus.append(s.tau_macro)
+                if s.speedup_vs_ar:
+                    sps.append(s.speedup_vs_ar)
+            mean = (f"{sum(taus) / len(taus):.2f}" if taus else "–") + " / " + (f"{sum(sps) / len(sps):.2f}x" if sps else "n/a")
+            lines.append(f"| {k} | " + " | ".join(vals) + f" | {mean} |")
+        lines += ["", f"### Details at temperature {temp:g}", "",
+                  "| dataset | method | samples | τ macro | τ micro | tokens/s | vs ar | vs HF generate | draft ms/round | tree ms/round | verify ms/round | commit ms/round | T=0 mismatches |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for s in sorted(rows, key=lambda s: (s.dataset, s.method != "ar", s.key)):
+            st = s.stage_ms_per_round
+            f = lambda x: f"{x:.2f}x" if x else "n/a"  # noqa: E731
+            lines.append(
+                f"| {s.dataset} | {_label(s)} | {s.samples} | {s.tau_macro:.2f} | {s.tau_micro:.2f} | {s.tokens_per_second:.1f} | "
+                f"{f(s.speedup_vs_ar)} | {f(s.speedup_vs_hf)} | "
+                + " | ".join(f"{st.get(k, 0):.1f}" if st else "" for k in STAGES)
+                + f" | {s.mismatches} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plots(summaries: list[Summary], out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    made = []
+    t0 = [s for s in summaries if s.temperature == 0 and s.tau_macro]
+    if not t0:
+        return made
+    datasets = sorted({s.dataset for s in t0})
+    # 1. tau by method and dataset (best budget per method)
+    best: dict[tuple, Summary] = {}
+    for s in t0:
+        k = (s.dataset, s.method)
+        if k not in best or (s.speedup_vs_ar or 0) > (best[k].speedup_vs_ar or 0):
+            best[k] = s
+    methods = list(dict.fromkeys(s.method for s in sorted(t0, key=lambda s: s.key)))
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(methods) * len(datasets) / 2), 4))
+    w = 0.8 / max(len(methods), 1)
+    for i, m in enumerate(methods):
+        xs = [j + i * w for j in range(len(datasets))]
+        ax.bar(xs, [best[(d, m)].tau_macro if (d, m) in best else 0 for d in datasets], w, label=m)
+    ax.set_xticks([j + 0.4 - w / 2 for j in range(len(datasets))], datasets)
+    ax.set_ylabel("τ (accepted + bonus per round)")
+    ax.set_title("Acceptance length by method (T=0, best budget)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    made.append(out_dir / "tau_by_method.png")
+    fig.savefig(made[-1], dpi=120)
+    plt.close(fig)
+    # 2. speedup against budget
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m in methods:
+        pts = defaultdict(list)
+        for s in t0:
+            if s.method == m and s.budget is not None and s.speedup_vs_ar and (s.width in (None, 12)) and (s.beta in (None, -0.2, 0.0)):
+                pts[s.budget].append(s.speedup_vs_ar)
+        if pts:
+            bs = sorted(pts)
+            ax.plot(bs, [sum(pts[b]) / len(pts[b]) for b in bs], marker="o", label=m)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tree budget B")
+    ax.set_ylabel("speedup over ar (mean over datasets)")
+    ax.set_title("Speedup against budget (T=0)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    made.append(out_dir / "speedup_vs_budget.png")
+    fig.savefig(made[-1], dpi=120)
+    plt.close(fig)
+    # 3. width ablation
+    widths = defaultdict(list)
+    for s in t0:
+        if s.method == "dartree" and s.width is not None:
+            widths[s.width].append(s.tau_macro)
+    if len(widths) > 1:
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        ws = sorted(widths)
+        ax.plot(ws, [sum(widths[x]) / len(widths[x]) for x in ws], marker="o")
+        ax.set_xlabel("width W")
+        ax.set_ylabel("τ (mean over datasets and budgets)")
+        ax.set_title("dartree width ablation (T=0)")
+        fig.tight_layout()
+        made.append(out_dir / "width_ablation.png")
+        fig.savefig(made[-1], dpi=120)
+        plt.close(fig)
+    # 4. latency breakdown per round
+    rows = [s for s in t0 if s.stage_ms_per_round and s.method not in ("hf-generate", "hf-prompt-lookup")]
+    agg: dict[str, Counter] = defaultdict(Counter)
+    cnt = Counter()
+    for s in rows:
+        agg[_label(s)].update(s.stage_ms_per_round)
+        cnt[_label(s)] += 1
+    if agg:
+        labels = list(agg)
+        fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(labels)), 4))
+        bottom = [0.0] * len(labels)
+        for stage in STAGES:
+            vals = [agg[k][stage] / cnt[k] for k in labels]
+            ax.bar(labels, vals, bottom=bottom, label=stage)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        ax.set_ylabel("ms per round")
+        ax.set_title("Latency breakdown per round (T=0)")
+        ax.tick_params(axis="x", rotation=70, labelsize=7)
+        ax.legend()
+        fig.tight_layout()
+        made.append(out_dir / "latency_breakdown.png")
+        fig.savefig(made[-1], dpi=120)
+        plt.close(fig)
+    return made
+
+
+def build_report(run_dir: str | Path, title: str = "dartree benchmark", preamble: str = "") -> Path:
+    run_dir = Path(run_dir)
+    records = read_records(run_dir / "records.jsonl")
+    if not records:
+        raise FileNotFoundError(f"no records in {run_dir / 'records.jsonl'}")
+    summaries = summarise(records)
+    images = plots(summaries, run_dir)
+    text = markdown(summaries, title)
+    if preamble:
+        text = text.replace("\n\n", "\n\n" + preamble.strip() + "\n\n", 1)
+    text += "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in images) + "\n"
+    (run_dir / "report.md").write_text(text)
+    return run_dir / "report.md"

@@ -1,0 +1,165 @@
+"""Run methods x temperatures x tree settings on the same prompts in one process.
+
+Every (sample, configuration) becomes one JSONL record; a run skips records already written, so it
+resumes where it stopped. At temperature 0 each method's tokens are compared with ``ar``'s and any
+mismatch is reported loudly (and stored in the record).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from .datasets import Sample
+
+BUDGET_METHODS = ("ddtree", "domino-ddtree", "heap", "dartree", "dartree-fixed")
+PEERS = ("hf-generate", "hf-prompt-lookup")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    method: str
+    temperature: float = 0.0
+    budget: int | None = None
+    width: int | None = None
+    top_k: int | None = None
+    beta: float | None = None
+
+    @property
+    def key(self) -> str:
+        parts = [self.method, f"T={self.temperature:g}"]
+        if self.budget is not None:
+            parts.append(f"B={self.budget}")
+        if self.width is not None:
+            parts.append(f"W={self.width}")
+        if self.top_k is not None:
+            parts.append(f"K={self.top_k}")
+        if self.beta is not None:
+            parts.append(f"beta={self.beta:g}")
+        return "|".join(parts)
+
+
+def build_grid(methods, temperatures, budgets, widths=(12,), betas=(-0.2,), top_k=64) -> list[RunConfig]:
+    """ar first (the reference), then every method; tree settings only where a method uses them."""
+    grid = []
+    for t in temperatures:
+        ordered = ["ar"] + [m for m in methods if m != "ar"]
+        for m in ordered:
+            if m in PEERS:
+                if t == 0:
+                    grid.append(RunConfig(m, t))
+            elif m in BUDGET_METHODS:
+                for b in budgets:
+                    if m == "dartree":
+                        grid += [RunConfig(m, t, b, w, top_k, beta) for w in widths for beta in betas]
+                    elif m == "heap":
+                        grid += [RunConfig(m, t, b, None, top_k, beta) for beta in betas]
+                    elif m == "dartree-fixed":
+                        grid.append(RunConfig(m, t, b, None, top_k))
+                    else:
+                        grid.append(RunConfig(m, t, b))
+            else:
+                grid.append(RunConfig(m, t))
+    return list(dict.fromkeys(grid))
+
+
+def read_records(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    out = []
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:  # a line cut by an interrupted run
+                    continue
+    return out
+
+
+def _sha1(tokens: list[int]) -> str:
+    return hashlib.sha1(json.dumps(tokens).encode()).hexdigest()
+
+
+def _run_ours(pipe, sample: Sample, cfg: RunConfig, max_new_tokens: int, seed: int) -> list[dict]:
+    messages, turns = [], []
+    for turn in sample.turns:
+        messages.append({"role": "user", "content": turn})
+        kwargs = {}
+        for name in ("budget", "width", "top_k", "beta"):
+            if getattr(cfg, name) is not None:
+                kwargs[name] = getattr(cfg, name)
+        res = pipe.generate(messages=list(messages), method=cfg.method, max_new_tokens=max_new_tokens,
+                            temperature=cfg.temperature, seed=seed, **kwargs)
+        s = res.stats
+        turns.append({"token_ids": res.token_ids, "new_tokens": s.new_tokens, "rounds": s.rounds,
+                      "acceptance_lengths": s.acceptance_lengths, "decode_seconds": s.decode_seconds,
+                      "stage_ms": s.stage_ms, "tree_sizes_mean": s.to_dict()["mean_tree_size"]})
+        messages.append({"role": "assistant", "content": res.text})
+    return turns
+
+
+@torch.no_grad()
+def _run_hf(pipe, sample: Sample, cfg: RunConfig, max_new_tokens: int) -> list[dict]:
+    """Hugging Face generate (greedy) or prompt-lookup decoding, timed the same way (prefill excluded)."""
+    model, stop = pipe.model, sorted(pipe.default_stop_ids())
+    messages, turns = [], []
+    for turn in sample.turns:
+        messages.append({"role": "user", "content": turn})
+        ids = pipe.encode(messages=list(messages))[None]
+        attn = torch.ones_like(ids)
+        t0 = time.perf_counter()
+        model(input_ids=ids, attention_mask=attn, logits_to_keep=1)  # prefill alone, to subtract
+        prefill = time.perf_counter() - t0
+        kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stop or None, pad_token_id=stop[0] if stop else 0)
+        if cfg.method == "hf-prompt-lookup":
+            kwargs["prompt_lookup_num_tokens"] = 10
+        t0 = time.perf_counter()
+        out = model.generate(ids, attention_mask=attn, **kwargs)
+        total = time.perf_counter() - t0
+        tokens = out[0, ids.shape[1]:].tolist()
+        turns.append({"token_ids": tokens, "new_tokens": len(tokens), "rounds": None, "acceptance_lengths": [],
+                      "decode_seconds": max(total - prefill, 1e-9), "stage_ms": {}, "total_seconds": total})
+        messages.append({"role": "assistant", "content": pipe.tokenizer.decode(tokens, skip_special_tokens=True)})
+    return turns
+
+
+def run(pipe, samples: list[Sample], grid: list[RunConfig], out_path: Path, max_new_tokens: int, seed: int = 0) -> list[dict]:
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    records = read_records(out_path)
+    done = {(r["dataset"], r["sample_id"], r["key"]) for r in records}
+    ar_tokens = {(r["dataset"], r["sample_id"], r["temperature"]): [t["token_ids"] for t in r["turns"]]
+                 for r in records if r["method"] == "ar"}
+    mismatches = 0
+    todo = [(s, c) for s in samples for c in grid if (s.dataset, s.sample_id, c.key) not in done]
+    with open(out_path, "a") as sink:
+        for sample, cfg in tqdm(todo, desc="bench", unit="run"):
+            if cfg.method in PEERS:
+                turns = _run_hf(pipe, sample, cfg, max_new_tokens)
+            else:
+                turns = _run_ours(pipe, sample, cfg, max_new_tokens, seed)
+            rec = {"dataset": sample.dataset, "sample_id": sample.sample_id, "key": cfg.key, **asdict(cfg),
+                   "max_new_tokens": max_new_tokens, "turns": turns,
+                   "output_sha1": _sha1([t["token_ids"] for t in turns])}
+            ref = ar_tokens.get((sample.dataset, sample.sample_id, cfg.temperature))
+            if cfg.method == "ar":
+                ar_tokens[(sample.dataset, sample.sample_id, cfg.temperature)] = [t["token_ids"] for t in turns]
+            elif cfg.temperature == 0 and ref is not None:
+                rec["matches_ar"] = ref == [t["token_ids"] for t in turns]
+                if not rec["matches_ar"]:
+                    mismatches += 1
+                    tqdm.write(f"!!! MISMATCH at T=0: {cfg.key} on {sample.dataset}/{sample.sample_id} differs from ar", file=sys.stderr)
+            sink.write(json.dumps(rec) + "\n")
+            sink.flush()
+            records.append(rec)
+    if mismatches:
+        print(f"!!! {mismatches} run(s) at T=0 did not reproduce ar's tokens (see matches_ar in {out_path})", file=sys.stderr)
+    return records

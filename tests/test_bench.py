@@ -1,0 +1,94 @@
+"""The benchmark harness on a tiny model: grid, resume, T=0 comparison with ar, peers, report."""
+
+import json
+
+import pytest
+import torch
+
+import dartree
+from dartree.bench.datasets import DATASETS, load_samples, select
+from dartree.bench.report import build_report, summarise
+from dartree.bench.runner import build_grid, read_records, run
+from dartree.cli import main
+
+
+def test_every_dataset_loads_with_the_published_format():
+    for name in DATASETS:
+        samples = load_samples(name)
+        assert len(samples) >= 30, name
+        assert all(s.turns and all(t.strip() for t in s.turns) for s in samples[:50])
+    assert "put your final answer within \\boxed{}" in load_samples("gsm8k")[0].turns[0]
+    assert load_samples("humaneval")[0].turns[0].startswith("Write a solution to the following problem")
+    assert all(len(s.turns) == 2 for s in load_samples("mt-bench"))
+    assert all(11 <= int(s.sample_id) <= 510 for s in load_samples("mbpp"))
+
+
+def test_selection_is_seeded_and_limited():
+    samples = load_samples("gsm8k")
+    a, b = select(samples, 5, seed=0), select(samples, 5, seed=0)
+    assert [s.sample_id for s in a] == [s.sample_id for s in b] and len(a) == 5
+    assert [s.sample_id for s in select(samples, 5, seed=1)] != [s.sample_id for s in a]
+
+
+def test_grid_puts_ar_first_and_settings_where_used():
+    grid = build_grid(["dartree", "dflash", "ddtree", "hf-generate"], [0.0, 1.0], [8, 16], widths=[4, 12])
+    assert grid[0].method == "ar"
+    assert {g.key for g in grid if g.method == "dartree" and g.temperature == 0} == {
+        "dartree|T=0|B=8|W=4|K=64|beta=-0.2", "dartree|T=0|B=8|W=12|K=64|beta=-0.2",
+        "dartree|T=0|B=16|W=4|K=64|beta=-0.2", "dartree|T=0|B=16|W=12|K=64|beta=-0.2"}
+    assert [g.key for g in grid if g.method == "dflash"] == ["dflash|T=0", "dflash|T=1"]
+    assert [g.temperature for g in grid if g.method == "hf-generate"] == [0.0]
+
+
+@pytest.fixture(scope="module")
+def tiny_pipe(tmp_path_factory):
+    from dartree.tiny import make_tiny_drafter, make_tiny_target
+
+    root = tmp_path_factory.mktemp("bench")
+    t = make_tiny_target(root / "t", vocab_size=8, seed=1)
+    return dartree.load(t, make_tiny_drafter(root / "d", t, head="domino", block_size=4), dtype=torch.float64)
+
+
+def test_run_resumes_compares_with_ar_and_reports(tiny_pipe, tmp_path):
+    samples = select(load_samples("mt-bench"), 2) + select(load_samples("gsm8k"), 2)
+    grid = build_grid(["dflash", "dartree", "heap", "hf-generate", "hf-prompt-lookup"], [0.0, 1.0], [4])
+    out = tmp_path / "records.jsonl"
+    run(tiny_pipe, samples[:2], grid, out, max_new_tokens=6)
+    first = read_records(out)
+    run(tiny_pipe, samples, grid, out, max_new_tokens=6)  # resumes: only the new samples run
+    records = read_records(out)
+    assert len(first) == 2 * len(grid) and len(records) == 4 * len(grid)
+    assert records[: len(first)] == first
+    t0 = [r for r in records if r["temperature"] == 0 and r["method"] != "ar"]
+    assert t0 and all(r["matches_ar"] for r in t0)
+    assert all(len(r["turns"]) == 2 for r in records if r["dataset"] == "mt-bench")
+    summaries = {(s.dataset, s.key): s for s in summarise(records)}
+    s = summaries[("gsm8k", "dartree|T=0|B=4|W=12|K=64|beta=-0.2")]
+    assert s.samples == 2 and s.tau_macro >= 1 and s.speedup_vs_ar is not None and s.speedup_vs_hf is not None
+    assert summaries[("gsm8k", "ar|T=0")].speedup_vs_ar == pytest.approx(1.0)
+    report = build_report(tmp_path)
+    text = report.read_text()
+    assert "Temperature 0" in text and "Temperature 1" in text and "dartree" in text
+    assert (tmp_path / "tau_by_method.png").is_file() and (tmp_path / "latency_breakdown.png").is_file()
+
+
+def test_mismatch_is_reported_loudly(tiny_pipe, tmp_path, capsys, monkeypatch):
+    samples = select(load_samples("gsm8k"), 1)
+    out = tmp_path / "records.jsonl"
+    run(tiny_pipe, samples, build_grid(["ar"], [0.0], [4]), out, max_new_tokens=5)
+    recs = read_records(out)
+    recs[0]["turns"][0]["token_ids"] = [7, 7, 7, 7, 7]  # pretend ar wrote something else
+    out.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    run(tiny_pipe, samples, build_grid(["dflash"], [0.0], [4]), out, max_new_tokens=5)
+    assert "MISMATCH" in capsys.readouterr().err
+    assert read_records(out)[-1]["matches_ar"] is False
+
+
+def test_cli_report_and_errors(tiny_pipe, tmp_path, capsys):
+    samples = select(load_samples("gsm8k"), 1)
+    run(tiny_pipe, samples, build_grid(["dflash"], [0.0], [4]), tmp_path / "records.jsonl", max_new_tokens=4)
+    assert main(["bench", "--report", str(tmp_path)]) == 0
+    assert (tmp_path / "report.md").is_file()
+    assert main(["bench", "--datasets", "nope"]) == 2
+    assert "unknown dataset 'nope'" in capsys.readouterr().err
+    assert main(["bench", "--betas", "0.3"]) == 2

