@@ -1,0 +1,45 @@
+"""Command line: generate (text and --json), bench-tree, errors as one clear line."""
+
+import json
+
+from dartree.cli import main
+from conftest import hf_greedy
+
+
+def test_generate_json_is_lossless(model_dirs, pipelines, capsys):
+    target, drafter = model_dirs[("llama", "target")], model_dirs[("llama", "domino")]
+    rc = main(["generate", "w1 w2 w3", "--target", str(target), "--drafter", str(drafter), "--dtype", "float64",
+               "-n", "10", "--budget", "8", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    pipe = pipelines[("llama", "domino")]
+    want = hf_greedy(pipe.model, pipe.encode(prompt="w1 w2 w3").tolist(), 10)
+    assert out["token_ids"] == want
+    assert set(out["stats"]) >= {"rounds", "acceptance_lengths", "mean_acceptance", "tokens_per_second", "stage_ms"}
+
+
+def test_generate_plain_text_and_stats_line(model_dirs, capsys):
+    rc = main(["generate", "w4 w5", "--raw", "--target", str(model_dirs[("qwen3", "target")]),
+               "--drafter", str(model_dirs[("qwen3", "markov")]), "-n", "6", "-m", "heap"])
+    captured = capsys.readouterr()
+    assert rc == 0 and captured.out.strip()
+    assert "[heap]" in captured.err and "mean acceptance" in captured.err
+
+
+def test_errors_are_one_clear_line(model_dirs, capsys):
+    rc = main(["generate", "w1", "--target", str(model_dirs[("llama", "target")]),
+               "--drafter", str(model_dirs[("llama", "domino")]), "--beta", "0.5"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "error: beta must be <= 0, got 0.5" in err and "Traceback" not in err
+    assert main(["generate", "w1", "--target", "/nonexistent"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_bench_tree_prints_the_ratio(tmp_path, capsys):
+    out = tmp_path / "bt.md"
+    rc = main(["bench-tree", "--sizes", "32x500", "--heads", "domino,markov", "--rounds", "2", "--gru", "16",
+               "--rank", "8", "--budget", "8", "--width", "4", "--top-k", "8", "--out", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "heap / dartree" in text and text.count("| 32 | 500 |") == 2 and "| yes |" in text
+    assert out.read_text().strip() == text.strip()
