@@ -78,7 +78,8 @@ def truth(small_pipes):
     return exact_joint(small_pipes["domino"].model, PROMPT, 3)
 
 
-METHODS_BY_HEAD = [("domino", m) for m in dartree.METHODS] + [("markov", m) for m in ("domino", "heap", "dartree")]
+HEAD_METHODS = ("domino", "domino-ddtree", "heap", "dartree", "dartree-fixed")
+METHODS_BY_HEAD = [("domino", m) for m in dartree.METHODS] + [("markov", m) for m in HEAD_METHODS]
 
 
 @pytest.mark.parametrize("head,method", METHODS_BY_HEAD)
