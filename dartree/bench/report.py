@@ -163,7 +163,8 @@ def plots(summaries: list[Summary], out_dir: Path) -> list[Path]:
     ax.set_xlabel("tree budget B")
     ax.set_ylabel("speedup over ar (mean over datasets)")
     ax.set_title("Speedup against budget (T=0)")
-    ax.legend(fontsize=7)
+    if ax.get_lines():
+        ax.legend(fontsize=7)
     fig.tight_layout()
     made.append(out_dir / "speedup_vs_budget.png")
     fig.savefig(made[-1], dpi=120)
