@@ -281,6 +281,17 @@ class DrafterModel(nn.Module):
         self.mask_embedding: nn.Parameter | None = None
         self.head: CorrectionHead | None = build_head(cfg)
 
+    def block_embeddings(self, embed_tokens: nn.Embedding, first_tokens: torch.Tensor) -> torch.Tensor:
+        """[N] anchor tokens -> [N, block_size, H] embeddings of [anchor, MASK, ...]."""
+        cfg = self.config
+        anchor = embed_tokens(first_tokens)[:, None, :]
+        if self.mask_embedding is not None:
+            mask = self.mask_embedding.to(anchor.dtype)
+        else:
+            mask = embed_tokens.weight[cfg.mask_token_id]
+        masks = mask.expand(first_tokens.shape[0], cfg.block_size - 1, -1)
+        return torch.cat([anchor, masks], dim=1)
+
     def fuse_context(self, target_features: torch.Tensor) -> torch.Tensor:
         """[.., C, m*H] concatenated tapped target states -> [.., C, H] injected context."""
         return self.hidden_norm(self.fc(target_features))
@@ -422,17 +433,6 @@ class DraftProposer:
     def reset(self) -> None:
         self.cache = DrafterCache(self.model.config.num_hidden_layers)
 
-    def block_embeddings(self, first_tokens: torch.Tensor) -> torch.Tensor:
-        """[N] anchor tokens -> [N, block_size, H] embeddings of [anchor, MASK, ...]."""
-        cfg = self.model.config
-        anchor = self.embed_tokens(first_tokens)[:, None, :]
-        if self.model.mask_embedding is not None:
-            mask = self.model.mask_embedding.to(anchor.dtype)
-        else:
-            mask = self.embed_tokens.weight[cfg.mask_token_id]
-        masks = mask.expand(first_tokens.shape[0], cfg.block_size - 1, -1)
-        return torch.cat([anchor, masks], dim=1)
-
     @torch.no_grad()
     def draft(self, bonus: int, new_features: torch.Tensor, start: int) -> DraftOutput:
         """new_features: tapped target states [C, m*H] of positions cache_len..start-1."""
@@ -440,7 +440,7 @@ class DraftProposer:
         device = new_features.device
         cached = self.cache.length
         require(cached + new_features.shape[0] == start, "drafter context out of step with the target")
-        embeds = self.block_embeddings(torch.tensor([bonus], device=device))
+        embeds = self.model.block_embeddings(self.embed_tokens, torch.tensor([bonus], device=device))
         ctx_pos = torch.arange(cached, start, device=device)
         block_pos = torch.arange(start, start + cfg.block_size, device=device)
         hidden = self.model(embeds, new_features[None], ctx_pos, block_pos, cache=self.cache)[0]

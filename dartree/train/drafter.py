@@ -131,8 +131,7 @@ def drafter_outputs(model: DrafterModel, embed, seq: Sequence, a: torch.Tensor, 
     """Packed forward: hidden states [A, b, H] for all anchors of one sequence."""
     n_ctx = seq.features.shape[0]
     feats = seq.features.to(dtype)
-    anchor_emb = embed(seq.tokens[a])[:, None, :]
-    emb = torch.cat([anchor_emb, model.mask_embedding.to(dtype).expand(a.numel(), block - 1, -1)], dim=1)
+    emb = model.block_embeddings(embed, seq.tokens[a])
     q = a.numel() * block
     block_pos = (a[:, None] + torch.arange(block)[None, :]).reshape(-1)
     ctx_pos = torch.arange(n_ctx)
