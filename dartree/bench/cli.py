@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -91,7 +92,9 @@ def run_bench(args) -> int:
     missing = [m for m in methods if m not in PEERS and m not in pipe.methods]
     if missing:
         raise DartreeError(f"this drafter cannot run {', '.join(missing)}; it supports {', '.join(pipe.methods)}")
-    samples = [s for d in datasets for s in select(load_samples(d, args.data_dir), args.limit, args.seed)]
+    # Round-robin over datasets, so a run stopped early still covers every dataset evenly.
+    per_dataset = [select(load_samples(d, args.data_dir), args.limit, args.seed) for d in datasets]
+    samples = [s for group in itertools.zip_longest(*per_dataset) for s in group if s is not None]
     grid = build_grid(methods, temps, budgets, widths, betas, args.top_k)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,106 @@
+"""Exact acceptance-length replay at temperature 0.
+
+At T = 0 every method writes the target's greedy sequence y, so the acceptance length of a round
+depends only on the tree the method builds there and on y: walking the tree with the target's
+choices is walking it with y. Replay therefore needs no target forward per round:
+
+1. one greedy ``ar`` run gives y, extended past its stop token by one draft block (a last round
+   may accept nodes beyond the stop, and the real decoder counts them);
+2. one teacher-forced target forward over prompt + y gives the drafter's context features at every
+   position (the real decoder gets the same rows from its tree forwards, up to float rounding);
+3. every method replays its rounds in lockstep on the shared drafter calls: the draft at position
+   s is computed once and handed to each method whose round starts at s.
+
+This measures tau for many methods and budgets at a fraction of the cost of decoding each one
+(the tests check it equals the decoder's per-round acceptance lengths); wall-clock speedups still
+come from real decoding (``dartree bench``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .decoding import decode, truncate
+from .errors import require
+from .trees import TreeBuilder, make_builder
+from .verify import Sampler, follow_tree
+
+
+@dataclass
+class _Progress:
+    builder: TreeBuilder
+    next_index: int = 0  # index into y of this method's next round's bonus token
+    output_length: int = 1
+    done: bool = False
+    acceptance_lengths: list[int] = field(default_factory=list)
+
+
+@torch.no_grad()
+def greedy_continuation(pipe, prompt_ids: torch.Tensor, length: int) -> list[int]:
+    """The target's greedy tokens after the prompt, ``length`` of them, ignoring stop tokens."""
+    tokens, _ = decode(pipe.target, make_builder("ar"), prompt_ids, length, set(), Sampler(0.0))
+    return tokens
+
+
+@torch.no_grad()
+def replay(
+    pipe,
+    prompt_ids: torch.Tensor,
+    builders: dict[str, TreeBuilder],
+    max_new_tokens: int,
+    stop_ids: set[int],
+    greedy: list[int] | None = None,
+) -> tuple[list[int], dict[str, list[int]]]:
+    """Per-round acceptance lengths (bonus included) that each builder would get at T = 0.
+
+    ``greedy``: the target's greedy tokens, at least ``max_new_tokens + D + 1`` long and not cut
+    at a stop token (computed when omitted). Returns the output the decoder would write and the
+    acceptance lengths by builder name.
+    """
+    require(pipe.proposer is not None, "replay needs a drafter")
+    require(all(b.uses_drafter for b in builders.values()), "replay is for drafter methods; ar has tau = 1")
+    depths = pipe.proposer.num_depths
+    greedy = list(greedy or [])
+    full_length = max_new_tokens + depths + 1  # always enough: a round looks at most D + 1 tokens ahead
+    output = truncate(greedy, max_new_tokens, stop_ids)
+    complete = len(output) == max_new_tokens or (output and output[-1] in stop_ids)
+    if not complete or len(greedy) < len(output) + depths + 1:
+        prefix = torch.cat([prompt_ids, torch.tensor(greedy, dtype=prompt_ids.dtype, device=prompt_ids.device)])
+        greedy += greedy_continuation(pipe, prefix, full_length - len(greedy))
+        output = truncate(greedy, max_new_tokens, stop_ids)
+    y = greedy[: len(output) + depths + 1]
+    prompt_len = prompt_ids.numel()
+
+    target = pipe.target
+    target.capture = True
+    full = torch.cat([prompt_ids, torch.tensor(y, dtype=prompt_ids.dtype, device=prompt_ids.device)])
+    _, features = target.prefill(full)
+    choices = torch.tensor(y[1:] + [y[-1]], device=prompt_ids.device)  # the target's choice after y[i]
+
+    runs = {name: _Progress(builder) for name, builder in builders.items()}
+    for run in runs.values():
+        run.done = y[0] in stop_ids or max_new_tokens <= 1
+    pipe.proposer.reset()
+    cached = 0
+    for i in range(len(output)):
+        waiting = [r for r in runs.values() if not r.done and r.next_index == i]
+        if not any(not r.done for r in runs.values()):
+            break
+        if not waiting:
+            continue
+        start = prompt_len + i
+        draft = pipe.proposer.draft(y[i], features[cached:start], start)
+        cached = start
+        for run in waiting:
+            tree = run.builder.build(draft, pipe.head)
+            row_depths = torch.cat([torch.zeros(1, dtype=torch.long, device=tree.depths.device), tree.depths])
+            accepted, _ = follow_tree(tree, choices[i + row_depths])
+            new_tokens = y[i + 1 : i + len(accepted) + 1]
+            run.acceptance_lengths.append(len(accepted))
+            run.output_length += len(new_tokens)
+            run.next_index = i + len(accepted)
+            # The decoder's stop rules: a stop token in the round's tokens, or enough tokens.
+            run.done = bool(stop_ids.intersection(new_tokens)) or run.output_length >= max_new_tokens
+    return output, {name: run.acceptance_lengths for name, run in runs.items()}
