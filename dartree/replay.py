@@ -38,9 +38,9 @@ class _Progress:
 
 
 @torch.no_grad()
-def greedy_continuation(pipe, prompt_ids: torch.Tensor, length: int) -> list[int]:
-    """The target's greedy tokens after the prompt, ``length`` of them, ignoring stop tokens."""
-    tokens, _ = decode(pipe.target, make_builder("ar"), prompt_ids, length, set(), Sampler(0.0))
+def greedy_continuation(pipe, prompt_ids: torch.Tensor, length: int, stop_ids: set[int] = frozenset()) -> list[int]:
+    """The target's greedy tokens after the prompt: ``length`` of them, or up to a stop token."""
+    tokens, _ = decode(pipe.target, make_builder("ar"), prompt_ids, length, set(stop_ids), Sampler(0.0))
     return tokens
 
 
@@ -55,20 +55,23 @@ def replay(
 ) -> tuple[list[int], dict[str, list[int]]]:
     """Per-round acceptance lengths (bonus included) that each builder would get at T = 0.
 
-    ``greedy``: the target's greedy tokens, at least ``max_new_tokens + D + 1`` long and not cut
-    at a stop token (computed when omitted). Returns the output the decoder would write and the
-    acceptance lengths by builder name.
+    ``greedy``: the target's greedy tokens after the prompt if known (for instance ``ar``'s
+    output, which ends at a stop token); replay computes or extends them as needed. Returns the
+    output the decoder would write and the acceptance lengths by builder name.
     """
     require(pipe.proposer is not None, "replay needs a drafter")
     require(all(b.uses_drafter for b in builders.values()), "replay is for drafter methods; ar has tau = 1")
     depths = pipe.proposer.num_depths
-    greedy = list(greedy or [])
-    full_length = max_new_tokens + depths + 1  # always enough: a round looks at most D + 1 tokens ahead
+    if greedy is None:
+        greedy = greedy_continuation(pipe, prompt_ids, max_new_tokens, stop_ids)
+    greedy = list(greedy)
     output = truncate(greedy, max_new_tokens, stop_ids)
     complete = len(output) == max_new_tokens or (output and output[-1] in stop_ids)
-    if not complete or len(greedy) < len(output) + depths + 1:
+    # A round looks at most D + 1 tokens past its bonus, so the last one may look past the output.
+    missing = (max_new_tokens if not complete else len(output)) + depths + 1 - len(greedy)
+    if missing > 0:
         prefix = torch.cat([prompt_ids, torch.tensor(greedy, dtype=prompt_ids.dtype, device=prompt_ids.device)])
-        greedy += greedy_continuation(pipe, prefix, full_length - len(greedy))
+        greedy += greedy_continuation(pipe, prefix, missing)
         output = truncate(greedy, max_new_tokens, stop_ids)
     y = greedy[: len(output) + depths + 1]
     prompt_len = prompt_ids.numel()

@@ -8,7 +8,7 @@ import torch
 import dartree
 from dartree.bench.datasets import DATASETS, load_samples, select
 from dartree.bench.report import build_report, summarise
-from dartree.bench.runner import build_grid, read_records, run
+from dartree.bench.runner import build_grid, read_records, run, run_replay
 from dartree.cli import main
 
 
@@ -70,6 +70,23 @@ def test_run_resumes_compares_with_ar_and_reports(tiny_pipe, tmp_path):
     text = report.read_text()
     assert "Temperature 0" in text and "Temperature 1" in text and "dartree" in text
     assert (tmp_path / "tau_by_method.png").is_file() and (tmp_path / "latency_breakdown.png").is_file()
+
+
+def test_replay_records_equal_decoded_acceptance_lengths(tiny_pipe, tmp_path):
+    samples = select(load_samples("mt-bench"), 1) + select(load_samples("gsm8k"), 3)
+    grid = build_grid(["dflash", "ddtree", "dartree", "heap", "domino", "hf-generate"], [0.0], [3, 8])
+    run(tiny_pipe, samples, grid, tmp_path / "decoded" / "records.jsonl", max_new_tokens=12)
+    run_replay(tiny_pipe, samples[:2], grid, tmp_path / "replay" / "records.jsonl", max_new_tokens=12)
+    replayed = run_replay(tiny_pipe, samples, grid, tmp_path / "replay" / "records.jsonl", max_new_tokens=12)  # resumes
+    decoded = {(r["dataset"], r["sample_id"], r["key"]): r for r in read_records(tmp_path / "decoded" / "records.jsonl")}
+    assert len(replayed) == 4 * 8  # dflash, domino, 2 budgets x (ddtree, dartree, heap); no ar, no peers
+    assert len({(r["dataset"], r["sample_id"], r["key"]) for r in replayed}) == len(replayed)
+    for r in replayed:
+        d = decoded[(r["dataset"], r["sample_id"], r["key"])]
+        assert r["replay"] and [t["acceptance_lengths"] for t in r["turns"]] == [t["acceptance_lengths"] for t in d["turns"]]
+        assert [t["token_ids"] for t in r["turns"]] == [t["token_ids"] for t in d["turns"]]
+    assert "dartree" in build_report(tmp_path / "replay").read_text()
+    assert main(["bench", "--replay", "--temperatures", "0,1"]) == 2
 
 
 def test_mismatch_is_reported_loudly(tiny_pipe, tmp_path, capsys, monkeypatch):

@@ -23,6 +23,12 @@ def add_bench_parser(sub) -> None:
         "At T=0 every method's tokens are compared with ar's. `--report DIR` only rebuilds the report.",
     )
     p.add_argument("--report", metavar="DIR", help="rebuild DIR/report.md and plots from DIR/records.jsonl, run nothing")
+    p.add_argument(
+        "--replay",
+        action="store_true",
+        help="T=0 tau only, by exact replay: one greedy run per prompt, then every method's rounds on the drafter and "
+        "tree builder without target forwards (many times cheaper; no speedups)",
+    )
     p.add_argument("--out", default="runs/bench", help="output folder (default runs/bench)")
     p.add_argument("--datasets", default="gsm8k,humaneval", help=f"comma list from {','.join(DATASETS)} or 'all'")
     p.add_argument("--methods", default=DEFAULT_METHODS, help="comma list of methods and peers (hf-generate, hf-prompt-lookup)")
@@ -69,7 +75,7 @@ def run_bench(args) -> int:
     import dartree
 
     from .datasets import load_samples, select
-    from .runner import PEERS, build_grid, run
+    from .runner import PEERS, build_grid, run, run_replay
 
     datasets = list(DATASETS) if args.datasets == "all" else [d.strip() for d in args.datasets.split(",")]
     for d in datasets:
@@ -86,6 +92,8 @@ def run_bench(args) -> int:
             raise DartreeError("budgets and widths must be >= 1")
     if any(beta > 0 for beta in betas):
         raise DartreeError("every beta must be <= 0 (a positive depth bonus breaks the top-B tree)")
+    if args.replay and temps != [0.0]:
+        raise DartreeError("--replay measures temperature 0 only; drop --temperatures")
     if args.threads:
         torch.set_num_threads(args.threads)
     pipe = dartree.load(args.target, args.drafter, dtype=args.dtype)
@@ -100,6 +108,9 @@ def run_bench(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "settings.json").write_text(json.dumps({k: v for k, v in vars(args).items() if k != "func"}, indent=2))
     print(f"{len(samples)} prompts x {len(grid)} configurations -> {out / 'records.jsonl'}", file=sys.stderr)
-    run(pipe, samples, grid, out / "records.jsonl", args.max_new_tokens, args.seed)
+    if args.replay:
+        run_replay(pipe, samples, grid, out / "records.jsonl", args.max_new_tokens)
+    else:
+        run(pipe, samples, grid, out / "records.jsonl", args.max_new_tokens, args.seed)
     print(f"wrote {build_report(out)}")
     return 0

@@ -163,3 +163,42 @@ def run(pipe, samples: list[Sample], grid: list[RunConfig], out_path: Path, max_
     if mismatches:
         print(f"!!! {mismatches} run(s) at T=0 did not reproduce ar's tokens (see matches_ar in {out_path})", file=sys.stderr)
     return records
+
+
+def run_replay(pipe, samples: list[Sample], grid: list[RunConfig], out_path: Path, max_new_tokens: int) -> list[dict]:
+    """T = 0 acceptance lengths by exact replay (``dartree.replay``): one greedy run and one
+    teacher-forced target forward per turn, then every configuration's rounds on the drafter and
+    tree builder alone. Records have the bench schema with ``"replay": true`` and no timings."""
+    from ..replay import replay
+    from ..trees import TreeSettings, make_builder
+
+    configs = [c for c in grid if c.temperature == 0 and c.method not in PEERS and c.method != "ar"]
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    records = read_records(out_path)
+    done = {(r["dataset"], r["sample_id"], r["key"]) for r in records}
+    todo = [s for s in samples if any((s.dataset, s.sample_id, c.key) not in done for c in configs)]
+    stop = pipe.default_stop_ids()
+    with open(out_path, "a") as sink:
+        for sample in tqdm(todo, desc="replay", unit="prompt"):
+            builders = {}
+            for c in configs:
+                settings = {k: getattr(c, k) for k in ("budget", "width", "top_k", "beta") if getattr(c, k) is not None}
+                builders[c.key] = make_builder(c.method, TreeSettings(**settings))
+            messages, turns = [], {c.key: [] for c in configs}
+            for turn in sample.turns:
+                messages.append({"role": "user", "content": turn})
+                output, lengths = replay(pipe, pipe.encode(messages=list(messages)), builders, max_new_tokens, stop)
+                for key, acc in lengths.items():
+                    turns[key].append({"token_ids": output, "new_tokens": len(output), "rounds": len(acc),
+                                       "acceptance_lengths": acc, "decode_seconds": 0.0, "stage_ms": {}})
+                messages.append({"role": "assistant", "content": pipe.tokenizer.decode(output, skip_special_tokens=True)})
+            for c in configs:
+                if (sample.dataset, sample.sample_id, c.key) in done:
+                    continue
+                rec = {"dataset": sample.dataset, "sample_id": sample.sample_id, "key": c.key, **asdict(c),
+                       "max_new_tokens": max_new_tokens, "replay": True, "turns": turns[c.key],
+                       "output_sha1": _sha1([t["token_ids"] for t in turns[c.key]])}
+                sink.write(json.dumps(rec) + "\n")
+                records.append(rec)
+            sink.flush()
+    return records
