@@ -18,6 +18,7 @@ come from real decoding (``dartree bench``).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +36,7 @@ class _Progress:
     output_length: int = 1
     done: bool = False
     acceptance_lengths: list[int] = field(default_factory=list)
+    tree_seconds: float = 0.0
 
 
 @torch.no_grad()
@@ -52,12 +54,15 @@ def replay(
     max_new_tokens: int,
     stop_ids: set[int],
     greedy: list[int] | None = None,
+    timings: dict[str, float] | None = None,
 ) -> tuple[list[int], dict[str, list[int]]]:
     """Per-round acceptance lengths (bonus included) that each builder would get at T = 0.
 
     ``greedy``: the target's greedy tokens after the prompt if known (for instance ``ar``'s
     output, which ends at a stop token); replay computes or extends them as needed. Returns the
-    output the decoder would write and the acceptance lengths by builder name.
+    output the decoder would write and the acceptance lengths by builder name; ``timings``, when
+    given, receives each builder's total tree-build seconds (the rounds see the same drafts, so
+    builders compare side by side).
     """
     require(pipe.proposer is not None, "replay needs a drafter")
     require(all(b.uses_drafter for b in builders.values()), "replay is for drafter methods; ar has tau = 1")
@@ -97,7 +102,9 @@ def replay(
         draft = pipe.proposer.draft(y[i], features[cached:start], start)
         cached = start
         for run in waiting:
+            started = time.perf_counter()
             tree = run.builder.build(draft, pipe.head)
+            run.tree_seconds += time.perf_counter() - started
             row_depths = torch.cat([torch.zeros(1, dtype=torch.long, device=tree.depths.device), tree.depths])
             accepted, _ = follow_tree(tree, choices[i + row_depths])
             new_tokens = y[i + 1 : i + len(accepted) + 1]
@@ -106,4 +113,6 @@ def replay(
             run.next_index = i + len(accepted)
             # The decoder's stop rules: a stop token in the round's tokens, or enough tokens.
             run.done = bool(stop_ids.intersection(new_tokens)) or run.output_length >= max_new_tokens
+    if timings is not None:
+        timings.update({name: run.tree_seconds for name, run in runs.items()})
     return output, {name: run.acceptance_lengths for name, run in runs.items()}

@@ -168,7 +168,8 @@ def run(pipe, samples: list[Sample], grid: list[RunConfig], out_path: Path, max_
 def run_replay(pipe, samples: list[Sample], grid: list[RunConfig], out_path: Path, max_new_tokens: int) -> list[dict]:
     """T = 0 acceptance lengths by exact replay (``dartree.replay``): one greedy run and one
     teacher-forced target forward per turn, then every configuration's rounds on the drafter and
-    tree builder alone. Records have the bench schema with ``"replay": true`` and no timings."""
+    tree builder alone. Records have the bench schema with ``"replay": true``; the only time in
+    them is the tree build, measured on identical drafts for every configuration."""
     from ..replay import replay
     from ..trees import TreeSettings, make_builder
 
@@ -187,10 +188,13 @@ def run_replay(pipe, samples: list[Sample], grid: list[RunConfig], out_path: Pat
             messages, turns = [], {c.key: [] for c in configs}
             for turn in sample.turns:
                 messages.append({"role": "user", "content": turn})
-                output, lengths = replay(pipe, pipe.encode(messages=list(messages)), builders, max_new_tokens, stop)
+                tree_seconds = {}
+                output, lengths = replay(pipe, pipe.encode(messages=list(messages)), builders, max_new_tokens, stop,
+                                         timings=tree_seconds)
                 for key, acc in lengths.items():
                     turns[key].append({"token_ids": output, "new_tokens": len(output), "rounds": len(acc),
-                                       "acceptance_lengths": acc, "decode_seconds": 0.0, "stage_ms": {}})
+                                       "acceptance_lengths": acc, "decode_seconds": 0.0,
+                                       "stage_ms": {"tree": 1000.0 * tree_seconds[key]}})
                 messages.append({"role": "assistant", "content": pipe.tokenizer.decode(output, skip_special_tokens=True)})
             for c in configs:
                 if (sample.dataset, sample.sample_id, c.key) in done:
