@@ -46,6 +46,23 @@ def greedy_continuation(pipe, prompt_ids: torch.Tensor, length: int, stop_ids: s
     return tokens
 
 
+def enough_greedy(pipe, prompt_ids: torch.Tensor, max_new_tokens: int, stop_ids: set[int], greedy: list[int] | None = None) -> list[int]:
+    """The target's greedy tokens, long enough to replay any method: the decoder's output plus
+    D + 1 tokens, since a last round looks that far past its bonus. ``greedy`` (for instance
+    ``ar``'s output, which ends at a stop token) is extended rather than recomputed."""
+    depths = pipe.proposer.num_depths
+    if greedy is None:
+        greedy = greedy_continuation(pipe, prompt_ids, max_new_tokens, stop_ids)
+    greedy = list(greedy)
+    output = truncate(greedy, max_new_tokens, stop_ids)
+    complete = len(output) == max_new_tokens or (output and output[-1] in stop_ids)
+    missing = (max_new_tokens if not complete else len(output)) + depths + 1 - len(greedy)
+    if missing > 0:
+        prefix = torch.cat([prompt_ids, torch.tensor(greedy, dtype=prompt_ids.dtype, device=prompt_ids.device)])
+        greedy += greedy_continuation(pipe, prefix, missing)
+    return greedy
+
+
 @torch.no_grad()
 def replay(
     pipe,
@@ -67,17 +84,8 @@ def replay(
     require(pipe.proposer is not None, "replay needs a drafter")
     require(all(b.uses_drafter for b in builders.values()), "replay is for drafter methods; ar has tau = 1")
     depths = pipe.proposer.num_depths
-    if greedy is None:
-        greedy = greedy_continuation(pipe, prompt_ids, max_new_tokens, stop_ids)
-    greedy = list(greedy)
+    greedy = enough_greedy(pipe, prompt_ids, max_new_tokens, stop_ids, greedy)
     output = truncate(greedy, max_new_tokens, stop_ids)
-    complete = len(output) == max_new_tokens or (output and output[-1] in stop_ids)
-    # A round looks at most D + 1 tokens past its bonus, so the last one may look past the output.
-    missing = (max_new_tokens if not complete else len(output)) + depths + 1 - len(greedy)
-    if missing > 0:
-        prefix = torch.cat([prompt_ids, torch.tensor(greedy, dtype=prompt_ids.dtype, device=prompt_ids.device)])
-        greedy += greedy_continuation(pipe, prefix, missing)
-        output = truncate(greedy, max_new_tokens, stop_ids)
     y = greedy[: len(output) + depths + 1]
     prompt_len = prompt_ids.numel()
 

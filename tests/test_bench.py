@@ -72,7 +72,7 @@ def test_run_resumes_compares_with_ar_and_reports(tiny_pipe, tmp_path):
     assert (tmp_path / "tau_by_method.png").is_file() and (tmp_path / "latency_breakdown.png").is_file()
 
 
-def test_replay_records_equal_decoded_acceptance_lengths(tiny_pipe, tmp_path):
+def test_replay_records_equal_decoded_acceptance_lengths(tiny_pipe, tmp_path, monkeypatch):
     samples = select(load_samples("mt-bench"), 1) + select(load_samples("gsm8k"), 3)
     grid = build_grid(["dflash", "ddtree", "dartree", "heap", "domino", "hf-generate"], [0.0], [3, 8])
     run(tiny_pipe, samples, grid, tmp_path / "decoded" / "records.jsonl", max_new_tokens=12)
@@ -85,7 +85,14 @@ def test_replay_records_equal_decoded_acceptance_lengths(tiny_pipe, tmp_path):
         d = decoded[(r["dataset"], r["sample_id"], r["key"])]
         assert r["replay"] and [t["acceptance_lengths"] for t in r["turns"]] == [t["acceptance_lengths"] for t in d["turns"]]
         assert [t["token_ids"] for t in r["turns"]] == [t["token_ids"] for t in d["turns"]]
-    assert "dartree" in build_report(tmp_path / "replay").read_text()
+    assert "exact replay" in build_report(tmp_path / "replay").read_text()
+
+    def no_target_decoding(*args, **kwargs):
+        raise AssertionError("greedy tokens should come from greedy.jsonl")
+
+    monkeypatch.setattr("dartree.replay.greedy_continuation", no_target_decoding)
+    more = run_replay(tiny_pipe, samples, build_grid(["dartree"], [0.0], [5]), tmp_path / "replay" / "records.jsonl", 12)
+    assert len(more) == len(replayed) + 4
     assert main(["bench", "--replay", "--temperatures", "0,1"]) == 2
 
 

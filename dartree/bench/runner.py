@@ -170,7 +170,7 @@ def run_replay(pipe, samples: list[Sample], grid: list[RunConfig], out_path: Pat
     teacher-forced target forward per turn, then every configuration's rounds on the drafter and
     tree builder alone. Records have the bench schema with ``"replay": true``; the only time in
     them is the tree build, measured on identical drafts for every configuration."""
-    from ..replay import replay
+    from ..replay import enough_greedy, replay
     from ..trees import TreeSettings, make_builder
 
     configs = [c for c in grid if c.temperature == 0 and c.method not in PEERS and c.method != "ar"]
@@ -179,17 +179,28 @@ def run_replay(pipe, samples: list[Sample], grid: list[RunConfig], out_path: Pat
     done = {(r["dataset"], r["sample_id"], r["key"]) for r in records}
     todo = [s for s in samples if any((s.dataset, s.sample_id, c.key) not in done for c in configs)]
     stop = pipe.default_stop_ids()
-    with open(out_path, "a") as sink:
+    # The greedy tokens are the expensive part (a full ar run): keep them, so further grids on the
+    # same prompts (ablations) reuse them.
+    greedy_path = out_path.parent / "greedy.jsonl"
+    greedy_cache = {(g["dataset"], g["sample_id"], g["turn"], g["max_new_tokens"]): g["tokens"] for g in read_records(greedy_path)}
+    with open(out_path, "a") as sink, open(greedy_path, "a") as greedy_sink:
         for sample in tqdm(todo, desc="replay", unit="prompt"):
             builders = {}
             for c in configs:
                 settings = {k: getattr(c, k) for k in ("budget", "width", "top_k", "beta") if getattr(c, k) is not None}
                 builders[c.key] = make_builder(c.method, TreeSettings(**settings))
             messages, turns = [], {c.key: [] for c in configs}
-            for turn in sample.turns:
+            for index, turn in enumerate(sample.turns):
                 messages.append({"role": "user", "content": turn})
+                ids = pipe.encode(messages=list(messages))
+                cache_key = (sample.dataset, sample.sample_id, index, max_new_tokens)
+                if cache_key not in greedy_cache:
+                    greedy_cache[cache_key] = enough_greedy(pipe, ids, max_new_tokens, stop)
+                    greedy_sink.write(json.dumps(dict(zip(("dataset", "sample_id", "turn", "max_new_tokens"), cache_key),
+                                                      tokens=greedy_cache[cache_key])) + "\n")
+                    greedy_sink.flush()
                 tree_seconds = {}
-                output, lengths = replay(pipe, pipe.encode(messages=list(messages)), builders, max_new_tokens, stop,
+                output, lengths = replay(pipe, ids, builders, max_new_tokens, stop, greedy_cache[cache_key],
                                          timings=tree_seconds)
                 for key, acc in lengths.items():
                     turns[key].append({"token_ids": output, "new_tokens": len(output), "rounds": len(acc),
