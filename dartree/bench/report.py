@@ -72,8 +72,18 @@ def summarise(records: list[dict]) -> list[Summary]:
     return out
 
 
+METHOD_ORDER = ("ar", "hf-generate", "hf-prompt-lookup", "dflash", "domino", "ddtree", "domino-ddtree", "heap",
+                "dartree", "dartree-fixed")
+
+
 def _label(s: Summary) -> str:
-    return s.key.replace("|T=0", "").replace("|T=1", "")
+    """The configuration without its temperature, with spaces (a '|' would split a markdown cell)."""
+    return " ".join(p for p in s.key.split("|") if not p.startswith("T="))
+
+
+def _order(s: Summary) -> tuple:
+    rank = METHOD_ORDER.index(s.method) if s.method in METHOD_ORDER else len(METHOD_ORDER)
+    return (rank, s.budget or 0, s.width or 0, -(s.beta or 0.0))
 
 
 def markdown(summaries: list[Summary], title: str = "dartree benchmark") -> str:
@@ -81,9 +91,10 @@ def markdown(summaries: list[Summary], title: str = "dartree benchmark") -> str:
     datasets = sorted({s.dataset for s in summaries})
     for temp in sorted({s.temperature for s in summaries}):
         rows = [s for s in summaries if s.temperature == temp]
-        keys = list(dict.fromkeys(_label(s) for s in sorted(rows, key=lambda s: (s.method != "ar", s.key))))
+        keys = list(dict.fromkeys(_label(s) for s in sorted(rows, key=_order)))
         cell = {(s.dataset, _label(s)): s for s in rows}
-        lines += [f"## Temperature {temp:g}: τ (macro) / speedup over ar", "",
+        timed = any(s.speedup_vs_ar for s in rows)  # replay records carry no wall-clock time
+        lines += [f"## Temperature {temp:g}: τ (macro)" + (" / speedup over ar" if timed else ""), "",
                   "| method | " + " | ".join(datasets) + " | mean |", "|---|" + "---:|" * (len(datasets) + 1)]
         for k in keys:
             vals, taus, sps = [], [], []
@@ -94,17 +105,19 @@ def markdown(summaries: list[Summary], title: str = "dartree benchmark") -> str:
                     continue
                 sp = f"{s.speedup_vs_ar:.2f}x" if s.speedup_vs_ar else "n/a"
                 tau = f"{s.tau_macro:.2f}" if s.tau_macro else "–"
-                vals.append(f"{tau} / {sp}")
+                vals.append(f"{tau} / {sp}" if timed else tau)
                 if s.tau_macro:
                     taus.append(s.tau_macro)
                 if s.speedup_vs_ar:
                     sps.append(s.speedup_vs_ar)
-            mean = (f"{sum(taus) / len(taus):.2f}" if taus else "–") + " / " + (f"{sum(sps) / len(sps):.2f}x" if sps else "n/a")
+            mean = f"{sum(taus) / len(taus):.2f}" if taus else "–"
+            if timed:
+                mean += " / " + (f"{sum(sps) / len(sps):.2f}x" if sps else "n/a")
             lines.append(f"| {k} | " + " | ".join(vals) + f" | {mean} |")
         lines += ["", f"### Details at temperature {temp:g}", "",
                   "| dataset | method | samples | τ macro | τ micro | tokens/s | vs ar | vs HF generate | draft ms/round | tree ms/round | verify ms/round | commit ms/round | T=0 mismatches |",
                   "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for s in sorted(rows, key=lambda s: (s.dataset, s.method != "ar", s.key)):
+        for s in sorted(rows, key=lambda s: (s.dataset, _order(s))):
             st = s.stage_ms_per_round
             f = lambda x: f"{x:.2f}x" if x else "n/a"  # noqa: E731
             lines.append(
@@ -136,7 +149,7 @@ def plots(summaries: list[Summary], out_dir: Path) -> list[Path]:
         # best = fastest; in replay records (no timings) the longest acceptance
         if k not in best or (s.speedup_vs_ar or 0, s.tau_macro) > (best[k].speedup_vs_ar or 0, best[k].tau_macro):
             best[k] = s
-    methods = list(dict.fromkeys(s.method for s in sorted(t0, key=lambda s: s.key)))
+    methods = list(dict.fromkeys(s.method for s in sorted(t0, key=_order)))
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(methods) * len(datasets) / 2), 4))
     w = 0.8 / max(len(methods), 1)
     for i, m in enumerate(methods):

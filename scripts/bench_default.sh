@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The benchmark runs committed under docs/results/ for the default model (2-core CPU).
+# Every run resumes where it stopped (records.jsonl); stop one any time and rerun to continue.
+# Decoding runs and replay runs use one thread each, so one of each can share the two cores.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ALL=dflash,ddtree,domino,domino-ddtree,heap,dartree,dartree-fixed
+OUT=${OUT:-docs/results}
+case "${1:-}" in
+  gsm8k-humaneval-replay)   # T=0 tau of every method x budget on 30 + 30 prompts (exact replay)
+    .venv/bin/dartree bench --replay --datasets gsm8k,humaneval --limit 30 --max-new-tokens 256 \
+        --methods $ALL --budgets 16,32,64 --threads 1 --out $OUT/gsm8k-humaneval/replay ;;
+  gsm8k-humaneval-decoded)  # the same grid decoded for wall-clock speedups (prompts alternate datasets)
+    .venv/bin/dartree bench --datasets gsm8k,humaneval --limit 30 --max-new-tokens 256 \
+        --methods ar,$ALL --budgets 16,32,64 --threads 1 --out $OUT/gsm8k-humaneval/decoded ;;
+  ablations)                # W, B and beta on real drafts, with tree-build time (exact replay)
+    A="--replay --datasets gsm8k,humaneval --limit 5 --max-new-tokens 256 --threads 1 --out $OUT/ablations"
+    .venv/bin/dartree bench $A --methods dartree --widths 1,2,4,8,12,16 --budgets 32,64
+    .venv/bin/dartree bench $A --methods ddtree,domino-ddtree,heap,dartree,dartree-fixed --budgets 8,16,32,64,128
+    .venv/bin/dartree bench $A --methods heap,dartree --betas 0,-0.1,-0.2,-0.5,-1 --budgets 32 ;;
+  seven-decoded)            # all seven benchmarks, peers, T=0 and T=1, decoded
+    .venv/bin/dartree bench --datasets all --limit 3 --max-new-tokens 128 --budgets 32 --temperatures 0,1 \
+        --methods ar,dflash,ddtree,dartree,hf-generate,hf-prompt-lookup --threads 1 --out $OUT/seven-benchmarks/decoded ;;
+  seven-replay)             # all seven benchmarks, T=0 tau of every method at B=32 (exact replay)
+    .venv/bin/dartree bench --replay --datasets all --limit 10 --max-new-tokens 256 --budgets 32 \
+        --methods $ALL --threads 1 --out $OUT/seven-benchmarks/replay ;;
+  *) echo "usage: $0 gsm8k-humaneval-replay|gsm8k-humaneval-decoded|ablations|seven-decoded|seven-replay" >&2; exit 2 ;;
+esac

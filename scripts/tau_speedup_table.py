@@ -1,0 +1,66 @@
+"""One markdown table from a replay run (tau on many prompts) and a decoding run (tau and
+wall-clock speedup on the prompts it finished), per dataset and configuration.
+
+    python scripts/tau_speedup_table.py REPLAY_DIR DECODED_DIR > table.md
+
+The decoded columns only use prompts on which every configuration finished, so each speedup is a
+side-by-side ratio over the same prompts. On those prompts the replay tau is printed again next
+to the decoded tau: they should agree (up to float rounding of the context features).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dartree.bench.report import METHOD_ORDER, summarise  # noqa: E402
+from dartree.bench.runner import read_records  # noqa: E402
+
+
+def label(key: str) -> str:
+    return " ".join(p for p in key.split("|") if not p.startswith("T="))
+
+
+def complete_prompts(records: list[dict]) -> set[tuple[str, str]]:
+    keys = {r["key"] for r in records}
+    by_prompt = defaultdict(set)
+    for r in records:
+        by_prompt[(r["dataset"], r["sample_id"])].add(r["key"])
+    return {p for p, ks in by_prompt.items() if ks == keys}
+
+
+def main(replay_dir: str, decoded_dir: str) -> None:
+    replayed = [r for r in read_records(Path(replay_dir) / "records.jsonl") if r["temperature"] == 0]
+    decoded = [r for r in read_records(Path(decoded_dir) / "records.jsonl") if r["temperature"] == 0]
+    done = complete_prompts(decoded)
+    decoded = [r for r in decoded if (r["dataset"], r["sample_id"]) in done]
+    replay_all = {(s.dataset, s.key): s for s in summarise(replayed)}
+    replay_same = {(s.dataset, s.key): s for s in summarise([r for r in replayed if (r["dataset"], r["sample_id"]) in done])}
+    dec = {(s.dataset, s.key): s for s in summarise(decoded)}
+    keys = list(dict.fromkeys(r["key"] for r in decoded + replayed))
+    keys.sort(key=lambda k: (METHOD_ORDER.index(k.split("|")[0]), int(k.split("B=")[1].split("|")[0]) if "B=" in k else 0))
+    datasets = sorted({r["dataset"] for r in replayed + decoded})
+    mismatches = sum(r.get("matches_ar") is False for r in decoded)
+    for d in datasets:
+        n_rep = len({r["sample_id"] for r in replayed if r["dataset"] == d})
+        n_dec = len({s for ds, s in done if ds == d})
+        print(f"### {d}: τ by replay on {n_rep} prompts; decoded τ and speedup on {n_dec} prompts\n")
+        print(f"| configuration | τ replay ({n_rep}) | τ replay, same {n_dec} | τ decoded ({n_dec}) | speedup over ar | tokens/s |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for k in keys:
+            ra, rs, de = replay_all.get((d, k)), replay_same.get((d, k)), dec.get((d, k))
+            cell = lambda s, f: f(s) if s is not None else ""  # noqa: E731
+            print(f"| {label(k)} | {cell(ra, lambda s: f'{s.tau_macro:.2f}')} | {cell(rs, lambda s: f'{s.tau_macro:.2f}')} | "
+                  f"{cell(de, lambda s: f'{s.tau_macro:.2f}')} | {cell(de, lambda s: f'{s.speedup_vs_ar:.2f}x' if s.speedup_vs_ar else '')} | "
+                  f"{cell(de, lambda s: f'{s.tokens_per_second:.1f}')} |")
+        print()
+    print(f"T = 0 mismatches against ar in the decoded run: {mismatches} of {sum(r['method'] != 'ar' for r in decoded)} runs.")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        sys.exit(__doc__)
+    main(sys.argv[1], sys.argv[2])
