@@ -179,16 +179,16 @@ def run_replay(pipe, samples: list[Sample], grid: list[RunConfig], out_path: Pat
     done = {(r["dataset"], r["sample_id"], r["key"]) for r in records}
     todo = [s for s in samples if any((s.dataset, s.sample_id, c.key) not in done for c in configs)]
     stop = pipe.default_stop_ids()
+    builders = {}
+    for c in configs:
+        settings = {k: getattr(c, k) for k in ("budget", "width", "top_k", "beta") if getattr(c, k) is not None}
+        builders[c.key] = make_builder(c.method, TreeSettings(**settings))
     # The greedy tokens are the expensive part (a full ar run): keep them, so further grids on the
     # same prompts (ablations) reuse them.
     greedy_path = out_path.parent / "greedy.jsonl"
     greedy_cache = {(g["dataset"], g["sample_id"], g["turn"], g["max_new_tokens"]): g["tokens"] for g in read_records(greedy_path)}
     with open(out_path, "a") as sink, open(greedy_path, "a") as greedy_sink:
         for sample in tqdm(todo, desc="replay", unit="prompt"):
-            builders = {}
-            for c in configs:
-                settings = {k: getattr(c, k) for k in ("budget", "width", "top_k", "beta") if getattr(c, k) is not None}
-                builders[c.key] = make_builder(c.method, TreeSettings(**settings))
             messages, turns = [], {c.key: [] for c in configs}
             for index, turn in enumerate(sample.turns):
                 messages.append({"role": "user", "content": turn})
