@@ -163,46 +163,34 @@ def plots(summaries: list[Summary], out_dir: Path) -> list[Path]:
     made.append(out_dir / "tau_by_method.png")
     fig.savefig(made[-1], dpi=120)
     plt.close(fig)
-    # 2. speedup against budget
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for m in methods:
-        pts = defaultdict(list)
-        for s in t0:
-            if s.method == m and s.budget is not None and s.speedup_vs_ar and (s.width in (None, 12)) and (s.beta in (None, -0.2, 0.0)):
-                pts[s.budget].append(s.speedup_vs_ar)
-        if pts:
-            bs = sorted(pts)
-            ax.plot(bs, [sum(pts[b]) / len(pts[b]) for b in bs], marker="o", label=m)
-    if ax.get_lines():  # replay records have no speedups
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("tree budget B")
-        ax.set_ylabel("speedup over ar (mean over datasets)")
-        ax.set_title("Speedup against budget (T=0)")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        made.append(out_dir / "speedup_vs_budget.png")
-        fig.savefig(made[-1], dpi=120)
-    plt.close(fig)
-    # 2b. tau against budget (the budget ablation; defaults for the other settings)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for m in methods:
-        pts = defaultdict(list)
-        for s in t0:
-            if s.method == m and s.budget is not None and (s.width in (None, 12)) and (s.beta in (None, -0.2)):
-                pts[s.budget].append(s.tau_macro)
-        if len(pts) > 1:
-            bs = sorted(pts)
-            ax.plot(bs, [sum(pts[b]) / len(pts[b]) for b in bs], marker="o", label=m)
-    if ax.get_lines():
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("tree budget B")
-        ax.set_ylabel("τ (mean over datasets)")
-        ax.set_title("Acceptance length against budget (T=0)")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        made.append(out_dir / "tau_vs_budget.png")
-        fig.savefig(made[-1], dpi=120)
-    plt.close(fig)
+    def against_budget(value, betas, min_points, ylabel, title, name):
+        """One line per method: mean ``value`` by budget (W = 12 and the given betas only)."""
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for m in methods:
+            pts = defaultdict(list)
+            for s in t0:
+                v = value(s)
+                if s.method == m and s.budget is not None and v and s.width in (None, 12) and s.beta in betas:
+                    pts[s.budget].append(v)
+            if len(pts) >= min_points:
+                bs = sorted(pts)
+                ax.plot(bs, [sum(pts[b]) / len(pts[b]) for b in bs], marker="o", label=m)
+        if ax.get_lines():  # replay records have no speedups
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("tree budget B")
+            ax.set_ylabel(ylabel)
+            ax.set_title(title)
+            ax.legend(fontsize=7)
+            fig.tight_layout()
+            made.append(out_dir / name)
+            fig.savefig(made[-1], dpi=120)
+        plt.close(fig)
+
+    # 2. speedup against budget; 2b. tau against budget (the budget ablation)
+    against_budget(lambda s: s.speedup_vs_ar, (None, -0.2, 0.0), 1, "speedup over ar (mean over datasets)",
+                   "Speedup against budget (T=0)", "speedup_vs_budget.png")
+    against_budget(lambda s: s.tau_macro, (None, -0.2), 2, "τ (mean over datasets)",
+                   "Acceptance length against budget (T=0)", "tau_vs_budget.png")
     # 3. width ablation
     widths = defaultdict(list)
     for s in t0:
