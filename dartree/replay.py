@@ -32,8 +32,7 @@ from .verify import Sampler, follow_tree
 @dataclass
 class _Progress:
     builder: TreeBuilder
-    next_index: int = 0  # index into y of this method's next round's bonus token
-    output_length: int = 1
+    next_index: int = 0  # index into y of the next round's bonus token: the output so far is y[: next_index + 1]
     done: bool = False
     acceptance_lengths: list[int] = field(default_factory=list)
     tree_seconds: float = 0.0
@@ -117,10 +116,9 @@ def replay(
             accepted, _ = follow_tree(tree, choices[i + row_depths])
             new_tokens = y[i + 1 : i + len(accepted) + 1]
             run.acceptance_lengths.append(len(accepted))
-            run.output_length += len(new_tokens)
             run.next_index = i + len(accepted)
             # The decoder's stop rules: a stop token in the round's tokens, or enough tokens.
-            run.done = bool(stop_ids.intersection(new_tokens)) or run.output_length >= max_new_tokens
+            run.done = bool(stop_ids.intersection(new_tokens)) or run.next_index + 1 >= max_new_tokens
     if timings is not None:
         timings.update({name: run.tree_seconds for name, run in runs.items()})
     return output, {name: run.acceptance_lengths for name, run in runs.items()}
