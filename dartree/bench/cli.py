@@ -45,6 +45,12 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--drafter", help="drafter directory (default: the shipped one)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument(
+        "--shard",
+        metavar="I/N",
+        help="run only every N-th prompt starting at the I-th (1-based), e.g. 1/2 and 2/2 in two processes with "
+        "--threads 1 and the same --out: shards append to one records file under a lock, and any shard resumes",
+    )
     p.set_defaults(func=run_bench)
 
 
@@ -60,6 +66,19 @@ def _ints(text, name):
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise DartreeError(f"--{name} takes comma-separated integers, got {text!r}") from None
+
+
+def parse_shard(text: str | None) -> tuple[int, int]:
+    """'I/N' -> (I - 1, N); None -> the whole run (0, 1)."""
+    if text is None:
+        return 0, 1
+    try:
+        index, count = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise DartreeError(f"--shard takes I/N with whole numbers, e.g. 1/2; got {text!r}") from None
+    if not 1 <= index <= count:
+        raise DartreeError(f"--shard {text}: I must be between 1 and N")
+    return index - 1, count
 
 
 def run_bench(args) -> int:
@@ -92,6 +111,7 @@ def run_bench(args) -> int:
             raise DartreeError("budgets and widths must be >= 1")
     if any(beta > 0 for beta in betas):
         raise DartreeError("every beta must be <= 0 (a positive depth bonus breaks the top-B tree)")
+    shard_index, shard_count = parse_shard(args.shard)
     if args.replay and temps != [0.0]:
         raise DartreeError("--replay measures temperature 0 only; drop --temperatures")
     if args.threads:
@@ -103,10 +123,12 @@ def run_bench(args) -> int:
     # Round-robin over datasets, so a run stopped early still covers every dataset evenly.
     per_dataset = [select(load_samples(d, args.data_dir), args.limit, args.seed) for d in datasets]
     samples = [s for group in itertools.zip_longest(*per_dataset) for s in group if s is not None]
+    samples = samples[shard_index::shard_count]
     grid = build_grid(methods, temps, budgets, widths, betas, args.top_k)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "settings.json").write_text(json.dumps({k: v for k, v in vars(args).items() if k != "func"}, indent=2))
+    # The settings describe the whole run, which every shard shares.
+    (out / "settings.json").write_text(json.dumps({k: v for k, v in vars(args).items() if k not in ("func", "shard")}, indent=2))
     print(f"{len(samples)} prompts x {len(grid)} configurations -> {out / 'records.jsonl'}", file=sys.stderr)
     if args.replay:
         run_replay(pipe, samples, grid, out / "records.jsonl", args.max_new_tokens)

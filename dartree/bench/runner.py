@@ -19,6 +19,11 @@ from tqdm import tqdm
 
 from .datasets import Sample
 
+try:  # POSIX: lets shards of one run (``dartree bench --shard``) append to the same records file
+    import fcntl
+except ImportError:  # pragma: no cover - Windows runs one shard per folder
+    fcntl = None
+
 BUDGET_METHODS = ("ddtree", "domino-ddtree", "heap", "dartree", "dartree-fixed")
 PEERS = ("hf-generate", "hf-prompt-lookup")
 
@@ -83,6 +88,19 @@ def read_records(path: Path) -> list[dict]:
                 except json.JSONDecodeError:  # a line cut by an interrupted run
                     continue
     return out
+
+
+def append_line(sink, record: dict) -> None:
+    """Append one JSON line whole, under an exclusive lock, so concurrent shards never interleave."""
+    line = json.dumps(record) + "\n"
+    if fcntl is not None:
+        fcntl.flock(sink.fileno(), fcntl.LOCK_EX)
+    try:
+        sink.write(line)
+        sink.flush()
+    finally:
+        if fcntl is not None:
+            fcntl.flock(sink.fileno(), fcntl.LOCK_UN)
 
 
 def _sha1(tokens: list[int]) -> str:
@@ -157,8 +175,7 @@ def run(pipe, samples: list[Sample], grid: list[RunConfig], out_path: Path, max_
                 if not rec["matches_ar"]:
                     mismatches += 1
                     tqdm.write(f"!!! MISMATCH at T=0: {cfg.key} on {sample.dataset}/{sample.sample_id} differs from ar", file=sys.stderr)
-            sink.write(json.dumps(rec) + "\n")
-            sink.flush()
+            append_line(sink, rec)
             records.append(rec)
     if mismatches:
         print(f"!!! {mismatches} run(s) at T=0 did not reproduce ar's tokens (see matches_ar in {out_path})", file=sys.stderr)
@@ -196,9 +213,8 @@ def run_replay(pipe, samples: list[Sample], grid: list[RunConfig], out_path: Pat
                 cache_key = (sample.dataset, sample.sample_id, index, max_new_tokens)
                 if cache_key not in greedy_cache:
                     greedy_cache[cache_key] = enough_greedy(pipe, ids, max_new_tokens, stop)
-                    greedy_sink.write(json.dumps(dict(zip(("dataset", "sample_id", "turn", "max_new_tokens"), cache_key),
-                                                      tokens=greedy_cache[cache_key])) + "\n")
-                    greedy_sink.flush()
+                    append_line(greedy_sink, dict(zip(("dataset", "sample_id", "turn", "max_new_tokens"), cache_key),
+                                                  tokens=greedy_cache[cache_key]))
                 tree_seconds = {}
                 output, lengths = replay(pipe, ids, builders, max_new_tokens, stop, greedy_cache[cache_key],
                                          timings=tree_seconds)
@@ -213,7 +229,6 @@ def run_replay(pipe, samples: list[Sample], grid: list[RunConfig], out_path: Pat
                 rec = {"dataset": sample.dataset, "sample_id": sample.sample_id, "key": c.key, **asdict(c),
                        "max_new_tokens": max_new_tokens, "replay": True, "turns": turns[c.key],
                        "output_sha1": _sha1([t["token_ids"] for t in turns[c.key]])}
-                sink.write(json.dumps(rec) + "\n")
+                append_line(sink, rec)
                 records.append(rec)
-            sink.flush()
     return records
