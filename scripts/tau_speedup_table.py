@@ -57,8 +57,36 @@ def main(replay_dir: str, decoded_dir: str) -> None:
                   f"{cell(de, lambda s: f'{s.tau_macro:.2f}')} | {cell(de, lambda s: f'{s.speedup_vs_ar:.2f}x' if s.speedup_vs_ar else '')} | "
                   f"{cell(de, lambda s: f'{s.tokens_per_second:.1f}')} |")
         print()
-    print(f"T = 0 mismatches against ar in the decoded run: {mismatches} of {sum(r['method'] != 'ar' for r in decoded)} runs.")
+    print(f"T = 0 mismatches against ar in the decoded run: {mismatches} of {sum(r['method'] != 'ar' for r in decoded)} runs.\n")
+    print_mean_grid(keys, datasets, dec, replay_all)
 
+
+def print_mean_grid(keys: list[str], datasets: list[str], dec: dict, replay_all: dict) -> None:
+    """Method x budget: decoded tau / speedup over ar (replay tau), each the mean of the datasets.
+    Chain methods have no budget and fill the first column."""
+    budget_of = lambda k: int(k.split("B=")[1].split("|")[0]) if "B=" in k else None  # noqa: E731
+    budgets = sorted({budget_of(k) for k in keys if budget_of(k) is not None})
+    cell_key = {(k.split("|")[0], budget_of(k) or budgets[0]): k for k in keys if not k.startswith("ar|")}
+    methods = list(dict.fromkeys(m for m, _ in cell_key))
+
+    def mean(table, key, attr):
+        values = [getattr(table[(d, key)], attr) if (d, key) in table else None for d in datasets]
+        return None if None in values else sum(values) / len(values)
+
+    def cell(key):
+        if key is None:
+            return ""
+        tau, speed, rep = mean(dec, key, "tau_macro"), mean(dec, key, "speedup_vs_ar"), mean(replay_all, key, "tau_macro")
+        text = f"{tau:.2f} / {speed:.2f}x" if tau is not None and speed is not None else "–"
+        return text + (f" ({rep:.2f})" if rep is not None else "")
+
+    print(f"Mean of {', '.join(datasets)}: decoded τ / speedup over ar (replay τ)\n")
+    print("| method | " + " | ".join(f"B = {b}" for b in budgets) + " |")
+    print("|---|" + "---:|" * len(budgets))
+    for m in methods:
+        chain = all(budget_of(k) is None for (mm, _), k in cell_key.items() if mm == m)
+        name = f"`{m}`" + (" (chain, no budget)" if chain else "")
+        print(f"| {name} | " + " | ".join(cell(cell_key.get((m, b))) for b in budgets) + " |")
 
 if __name__ == "__main__":
     if len(sys.argv) != 3:
