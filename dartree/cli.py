@@ -86,6 +86,11 @@ def _run_generate(args) -> int:
         budget=args.budget, width=args.width, top_k=args.top_k, beta=args.beta,
         sampling_top_k=args.sampling_top_k, top_p=args.top_p,
     )
+    streaming = not args.json and pipe.tokenizer is not None
+    if streaming:  # print the text as each round is verified
+        from transformers import TextStreamer
+
+        kwargs["streamer"] = TextStreamer(pipe.tokenizer, skip_prompt=True, skip_special_tokens=True)
     if args.raw:
         if pipe.tokenizer is None:
             raise DartreeError("this target has no tokenizer")
@@ -99,7 +104,8 @@ def _run_generate(args) -> int:
         print(json.dumps(result.to_dict(), indent=2))
     else:
         s = result.stats
-        print(result.text if result.text is not None else result.token_ids)
+        if not streaming:
+            print(result.token_ids)
         print(
             f"\n[{s.method}] {s.new_tokens} tokens in {s.rounds} rounds, mean acceptance {s.mean_acceptance:.2f}, "
             f"{s.tokens_per_second:.1f} tokens/s (draft {s.stage_ms['draft']:.0f} ms, tree {s.stage_ms['tree']:.0f} ms, "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -84,7 +85,10 @@ def decode(
     sampler: Sampler,
     proposer: DraftProposer | None = None,
     head: CorrectionHead | None = None,
+    on_tokens: Callable[[list[int]], None] | None = None,
 ) -> tuple[list[int], GenerationStats]:
+    """``on_tokens`` (optional) receives each round's newly committed tokens as soon as they are
+    verified, already cut at max_new_tokens and after a stop token: together they are the output."""
     stats = GenerationStats(method=builder.name)
     use_drafter = builder.uses_drafter
     target.capture = use_drafter and bool(target.tapped_layers)
@@ -93,6 +97,8 @@ def decode(
     logits, features = target.prefill(prompt_ids)
     bonus = int(sampler(logits[None])[0])
     output = [bonus]
+    if on_tokens is not None:
+        on_tokens(truncate(output, max_new_tokens, stop_ids))
     if proposer is not None:
         proposer.reset()
     start = prompt_ids.numel()  # position of the bonus token, not yet in the target cache
@@ -130,6 +136,10 @@ def decode(
         stats.tree_sizes.append(len(tree))
         timer.lap("commit")
         # A stop token anywhere in this round ends generation; truncate() cuts after it.
+        if on_tokens is not None:
+            fresh = truncate(new_tokens, max_new_tokens - len(output), stop_ids)
+            if fresh:
+                on_tokens(fresh)
         output.extend(new_tokens)
         if stop_ids.intersection(new_tokens):
             break

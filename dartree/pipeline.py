@@ -170,9 +170,14 @@ class Pipeline:
         sampling_top_k: int | None = None,
         top_p: float | None = None,
         stop_token_ids: list[int] | None = None,
+        streamer=None,
     ) -> GenerationResult:
         """Generate with one method. ``top_k`` is DARTree's K (candidates per depth); sampling uses
-        ``sampling_top_k`` / ``top_p`` on the target's distribution (temperature > 0 only)."""
+        ``sampling_top_k`` / ``top_p`` on the target's distribution (temperature > 0 only).
+
+        ``streamer``: a Hugging Face-style streamer (``put(tensor)``, ``end()``), e.g.
+        ``transformers.TextStreamer(pipe.tokenizer, skip_prompt=True)``. As in HF ``generate`` it gets
+        the prompt first, then each round's verified tokens as soon as the round ends."""
         require(method in METHODS, f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
         require(
             method in self.methods,
@@ -193,7 +198,16 @@ class Pipeline:
         stop = set(stop_token_ids) if stop_token_ids is not None else self.default_stop_ids()
         if seed is not None:
             torch.manual_seed(seed)
-        tokens, stats = decode(self.target, builder, ids, max_new_tokens, stop, sampler, self.proposer, self.head)
+        on_tokens = None
+        if streamer is not None:
+            require(callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None)),
+                    "streamer must have put(tensor) and end() methods, like transformers.TextStreamer")
+            streamer.put(ids[None].cpu())
+            on_tokens = lambda new: streamer.put(torch.tensor(new))  # noqa: E731
+        tokens, stats = decode(self.target, builder, ids, max_new_tokens, stop, sampler, self.proposer, self.head,
+                               on_tokens)
+        if streamer is not None:
+            streamer.end()
         text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else None
         return GenerationResult(token_ids=tokens, text=text, stats=stats)
 

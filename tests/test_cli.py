@@ -19,10 +19,13 @@ def test_generate_json_is_lossless(model_dirs, pipelines, capsys):
 
 
 def test_generate_plain_text_and_stats_line(model_dirs, capsys):
-    rc = main(["generate", "w4 w5", "--raw", "--target", str(model_dirs[("qwen3", "target")]),
-               "--drafter", str(model_dirs[("qwen3", "markov")]), "-n", "6", "-m", "heap"])
+    args = ["generate", "w4 w5", "--raw", "--target", str(model_dirs[("qwen3", "target")]),
+            "--drafter", str(model_dirs[("qwen3", "markov")]), "-n", "12", "-m", "heap"]
+    assert main(args + ["--json"]) == 0
+    text = json.loads(capsys.readouterr().out)["text"]
+    rc = main(args)  # streamed as rounds are verified: the same text
     captured = capsys.readouterr()
-    assert rc == 0 and captured.out.strip()
+    assert rc == 0 and text.strip() and captured.out == text + "\n"
     assert "[heap]" in captured.err and "mean acceptance" in captured.err
 
 

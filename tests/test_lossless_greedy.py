@@ -133,3 +133,39 @@ def test_drafter_with_mask_embedding_and_text_prompt(model_dirs, tmp_path):
         res = pipe.generate(prompt, method=method, max_new_tokens=10, stop_token_ids=[])
         assert res.token_ids == want
         assert res.text == pipe.tokenizer.decode(want, skip_special_tokens=True)
+
+
+class RecordingStreamer:
+    """Hugging Face streamer protocol: put(tensor) for the prompt, then for new tokens; end() once."""
+
+    def __init__(self):
+        self.puts, self.ended = [], 0
+
+    def put(self, value):
+        self.puts.append(value.tolist())
+
+    def end(self):
+        self.ended += 1
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt=prompts, max_new_tokens=st.integers(1, 25), stop=st.one_of(st.none(), st.integers(0, VOCAB - 1)),
+       temperature=st.sampled_from([0.0, 1.0]))
+def test_streamer_gets_exactly_the_output_round_by_round(pipelines, family, prompt, max_new_tokens, stop, temperature):
+    pipe = pipelines[(family, "domino")]
+    for method in pipe.methods:
+        streamer = RecordingStreamer()
+        res = pipe.generate(input_ids=prompt, method=method, max_new_tokens=max_new_tokens, budget=8,
+                            temperature=temperature, stop_token_ids=[] if stop is None else [stop], streamer=streamer)
+        assert streamer.puts[0] == [prompt] and streamer.ended == 1
+        chunks = streamer.puts[1:]
+        assert [t for c in chunks for t in c] == res.token_ids, method
+        assert all(chunks) and len(chunks) <= res.stats.rounds + 1  # the prefill's token, then one chunk a round
+
+
+def test_streamer_without_put_and_end_is_refused(pipelines):
+    from dartree import DartreeError
+
+    with pytest.raises(DartreeError, match="streamer must have put"):
+        pipelines[("llama", "domino")].generate(input_ids=[1, 2], max_new_tokens=3, streamer=object())
