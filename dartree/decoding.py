@@ -135,11 +135,11 @@ def decode(
         stats.acceptance_lengths.append(len(accepted))
         stats.tree_sizes.append(len(tree))
         timer.lap("commit")
-        # A stop token anywhere in this round ends generation; truncate() cuts after it.
-        if on_tokens is not None:
+        if on_tokens is not None:  # only what the final output keeps
             fresh = truncate(new_tokens, max_new_tokens - len(output), stop_ids)
             if fresh:
                 on_tokens(fresh)
+        # A stop token anywhere in this round ends generation; truncate() cuts after it.
         output.extend(new_tokens)
         if stop_ids.intersection(new_tokens):
             break

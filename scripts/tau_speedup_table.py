@@ -20,6 +20,10 @@ from dartree.bench.report import METHOD_ORDER, summarise  # noqa: E402
 from dartree.bench.runner import read_records  # noqa: E402
 
 
+def budget_of(key: str) -> int | None:
+    return int(key.split("B=")[1].split("|")[0]) if "B=" in key else None
+
+
 def label(key: str) -> str:
     return " ".join(p for p in key.split("|") if not p.startswith("T="))
 
@@ -41,7 +45,7 @@ def main(replay_dir: str, decoded_dir: str) -> None:
     replay_same = {(s.dataset, s.key): s for s in summarise([r for r in replayed if (r["dataset"], r["sample_id"]) in done])}
     dec = {(s.dataset, s.key): s for s in summarise(decoded)}
     keys = list(dict.fromkeys(r["key"] for r in decoded + replayed))
-    keys.sort(key=lambda k: (METHOD_ORDER.index(k.split("|")[0]), int(k.split("B=")[1].split("|")[0]) if "B=" in k else 0))
+    keys.sort(key=lambda k: (METHOD_ORDER.index(k.split("|")[0]), budget_of(k) or 0))
     datasets = sorted({r["dataset"] for r in replayed + decoded})
     mismatches = sum(r.get("matches_ar") is False for r in decoded)
     for d in datasets:
@@ -64,7 +68,6 @@ def main(replay_dir: str, decoded_dir: str) -> None:
 def print_mean_grid(keys: list[str], datasets: list[str], dec: dict, replay_all: dict) -> None:
     """Method x budget: decoded tau / speedup over ar (replay tau), each the mean of the datasets.
     Chain methods have no budget and fill the first column."""
-    budget_of = lambda k: int(k.split("B=")[1].split("|")[0]) if "B=" in k else None  # noqa: E731
     budgets = sorted({budget_of(k) for k in keys if budget_of(k) is not None})
     cell_key = {(k.split("|")[0], budget_of(k) or budgets[0]): k for k in keys if not k.startswith("ar|")}
     methods = list(dict.fromkeys(m for m, _ in cell_key))
