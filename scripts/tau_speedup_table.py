@@ -11,12 +11,11 @@ to the decoded tau: they should agree (up to float rounding of the context featu
 from __future__ import annotations
 
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dartree.bench.report import METHOD_ORDER, summarise  # noqa: E402
+from dartree.bench.report import METHOD_ORDER, complete_prompts, summarise  # noqa: E402
 from dartree.bench.runner import read_records  # noqa: E402
 
 
@@ -26,14 +25,6 @@ def budget_of(key: str) -> int | None:
 
 def label(key: str) -> str:
     return " ".join(p for p in key.split("|") if not p.startswith("T="))
-
-
-def complete_prompts(records: list[dict]) -> set[tuple[str, str]]:
-    keys = {r["key"] for r in records}
-    by_prompt = defaultdict(set)
-    for r in records:
-        by_prompt[(r["dataset"], r["sample_id"])].add(r["key"])
-    return {p for p, ks in by_prompt.items() if ks == keys}
 
 
 def main(replay_dir: str, decoded_dir: str) -> None:

@@ -155,3 +155,17 @@ def test_two_concurrent_shards_write_the_same_records_as_one_run(tiny_dirs, tmp_
 def test_shard_is_validated(bad, capsys):
     assert main(["bench", "--shard", bad]) == 2
     assert "--shard" in capsys.readouterr().err
+
+
+def test_report_of_a_stopped_run_compares_only_prompts_every_configuration_finished(tiny_pipe, tmp_path):
+    samples = select(load_samples("gsm8k"), 3)
+    grid = build_grid(["dflash", "dartree"], [0.0], [4])
+    stopped, finished = tmp_path / "stopped", tmp_path / "finished"
+    run(tiny_pipe, samples[:2], grid, stopped / "records.jsonl", max_new_tokens=6)
+    (finished / "records.jsonl").parent.mkdir()
+    (finished / "records.jsonl").write_text((stopped / "records.jsonl").read_text())
+    run(tiny_pipe, samples[2:], grid[:2], stopped / "records.jsonl", max_new_tokens=6)  # stopped after ar, dflash
+    text = build_report(stopped).read_text()
+    assert "unfinished: 1 prompt(s)" in text and "the 2 prompts every configuration finished" in text
+    tables = lambda t: t[t.index("## "):]  # noqa: E731
+    assert tables(text) == tables(build_report(finished).read_text())

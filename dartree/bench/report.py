@@ -252,11 +252,30 @@ def plots(summaries: list[Summary], out_dir: Path) -> list[Path]:
     return made
 
 
+def complete_prompts(records: list[dict]) -> set[tuple[str, str]]:
+    """The (dataset, sample_id) on which every configuration of the run has a record."""
+    keys = {r["key"] for r in records}
+    by_prompt = defaultdict(set)
+    for r in records:
+        by_prompt[(r["dataset"], r["sample_id"])].add(r["key"])
+    return {p for p, ks in by_prompt.items() if ks == keys}
+
+
 def build_report(run_dir: str | Path, title: str = "dartree benchmark", preamble: str = "") -> Path:
     run_dir = Path(run_dir)
     records = read_records(run_dir / "records.jsonl")
     if not records:
         raise FileNotFoundError(f"no records in {run_dir / 'records.jsonl'}")
+    # A stopped run has prompts only some configurations finished: leave them out, so every
+    # configuration is averaged (and compared with ar) over the same prompts.
+    complete = complete_prompts(records)
+    unfinished = {(r["dataset"], r["sample_id"]) for r in records} - complete
+    records = [r for r in records if (r["dataset"], r["sample_id"]) in complete]
+    if unfinished:
+        preamble = (f"The run is unfinished: {len(unfinished)} prompt(s) that not every configuration has reached "
+                    f"are left out; the tables cover the {len(complete)} prompts every configuration finished.\n\n" + preamble)
+    if not records:
+        raise FileNotFoundError(f"no prompt in {run_dir / 'records.jsonl'} is finished by every configuration yet")
     summaries = summarise(records)
     images = plots(summaries, run_dir)
     text = markdown(summaries, title)
