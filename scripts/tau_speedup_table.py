@@ -82,6 +82,7 @@ def print_mean_grid(keys: list[str], datasets: list[str], dec: dict, replay_all:
         name = f"`{m}`" + (" (chain, no budget)" if chain else "")
         print(f"| {name} | " + " | ".join(cell(cell_key.get((m, b))) for b in budgets) + " |")
 
+
 if __name__ == "__main__":
     if len(sys.argv) != 3:
         sys.exit(__doc__)
