@@ -91,12 +91,14 @@ def generate_batch(model, tapped: list[int], prompts: list[list[int]], max_new_t
                    stop_ids: set[int], pad_id: int, generator: torch.Generator) -> list[Sequence]:
     from transformers import StaticCache
 
+    device = next(model.parameters()).device
     n, width = len(prompts), max(len(p) for p in prompts)
     ids = torch.full((n, width), pad_id, dtype=torch.long)
     attn = torch.zeros((n, width), dtype=torch.long)
     for i, p in enumerate(prompts):
         ids[i, width - len(p):] = torch.tensor(p)
         attn[i, width - len(p):] = 1
+    ids, attn = ids.to(device), attn.to(device)
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     cap = _Capture(model, tapped)
     try:
@@ -110,17 +112,19 @@ def generate_batch(model, tapped: list[int], prompts: list[list[int]], max_new_t
         responses = [[] for _ in range(n)]
         done = torch.zeros(n, dtype=torch.bool)
         for step in range(max_new_tokens):
-            if temperature > 0:
-                nxt = torch.multinomial((logits.float() / temperature).softmax(-1), 1, generator=generator).squeeze(-1)
+            if temperature > 0:  # sampled on the CPU with a CPU generator: the same data on any device
+                probs = (logits.float() / temperature).softmax(-1).cpu()
+                nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1).to(device)
             else:
                 nxt = logits.argmax(-1)
+            picked = nxt.tolist()
             for i in torch.nonzero(~done).flatten().tolist():
-                responses[i].append(int(nxt[i]))
-                if int(nxt[i]) in stop_ids:
+                responses[i].append(picked[i])
+                if picked[i] in stop_ids:
                     done[i] = True
             if bool(done.all()) or step == max_new_tokens - 1:
                 break
-            attn = torch.cat([attn, torch.ones(n, 1, dtype=torch.long)], dim=1)
+            attn = torch.cat([attn, torch.ones(n, 1, dtype=torch.long, device=device)], dim=1)
             pos = pos[:, -1:] + 1
             logits = model(input_ids=nxt[:, None], attention_mask=attn, position_ids=pos, cache=cache, use_cache=True).logits[:, -1]
             f, h = cap.pop()
@@ -128,7 +132,7 @@ def generate_batch(model, tapped: list[int], prompts: list[list[int]], max_new_t
             finals.append(h)
     finally:
         cap.close()
-    feats_all, finals_all = torch.cat(feats, dim=1), torch.cat(finals, dim=1)
+    feats_all, finals_all = torch.cat(feats, dim=1).cpu(), torch.cat(finals, dim=1).cpu()
     out = []
     for i, p in enumerate(prompts):
         length = len(p) + len(responses[i])
