@@ -91,14 +91,13 @@ def generate_batch(model, tapped: list[int], prompts: list[list[int]], max_new_t
                    stop_ids: set[int], pad_id: int, generator: torch.Generator) -> list[Sequence]:
     from transformers import StaticCache
 
-    device = next(model.parameters()).device
+    device, cpu = next(model.parameters()).device, torch.device("cpu")
     n, width = len(prompts), max(len(p) for p in prompts)
-    ids = torch.full((n, width), pad_id, dtype=torch.long)
-    attn = torch.zeros((n, width), dtype=torch.long)
+    ids = torch.full((n, width), pad_id, dtype=torch.long, device=device)
+    attn = torch.zeros((n, width), dtype=torch.long, device=device)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
+        ids[i, width - len(p):] = torch.tensor(p, device=device)
         attn[i, width - len(p):] = 1
-    ids, attn = ids.to(device), attn.to(device)
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     cap = _Capture(model, tapped)
     try:
@@ -110,7 +109,7 @@ def generate_batch(model, tapped: list[int], prompts: list[list[int]], max_new_t
         feats.append(f)
         finals.append(h)
         responses = [[] for _ in range(n)]
-        done = torch.zeros(n, dtype=torch.bool)
+        done = torch.zeros(n, dtype=torch.bool, device=cpu)
         for step in range(max_new_tokens):
             if temperature > 0:  # sampled on the CPU with a CPU generator: the same data on any device
                 probs = (logits.float() / temperature).softmax(-1).cpu()
@@ -132,12 +131,12 @@ def generate_batch(model, tapped: list[int], prompts: list[list[int]], max_new_t
             finals.append(h)
     finally:
         cap.close()
-    feats_all, finals_all = torch.cat(feats, dim=1).cpu(), torch.cat(finals, dim=1).cpu()
+    feats_all, finals_all = torch.cat(feats, dim=1).to(cpu), torch.cat(finals, dim=1).to(cpu)
     out = []
     for i, p in enumerate(prompts):
         length = len(p) + len(responses[i])
-        rows = torch.arange(width - len(p), width - len(p) + length - 1)  # positions 0..L-2 of this sequence
-        out.append(Sequence(torch.tensor(p + responses[i], dtype=torch.int32), len(p), feats_all[i, rows], finals_all[i, rows]))
+        rows = torch.arange(width - len(p), width - len(p) + length - 1, device=cpu)  # positions 0..L-2 of this sequence
+        out.append(Sequence(torch.tensor(p + responses[i], dtype=torch.int32, device=cpu), len(p), feats_all[i, rows], finals_all[i, rows]))
     return out
 
 
