@@ -54,6 +54,7 @@ def main(replay_dir: str, decoded_dir: str) -> None:
         print()
     print(f"T = 0 mismatches against ar in the decoded run: {mismatches} of {sum(r['method'] != 'ar' for r in decoded)} runs.\n")
     print_mean_grid(keys, datasets, dec, replay_all)
+    print_where_time_goes(keys, datasets, dec, decoded)
 
 
 def print_mean_grid(keys: list[str], datasets: list[str], dec: dict, replay_all: dict) -> None:
@@ -81,6 +82,31 @@ def print_mean_grid(keys: list[str], datasets: list[str], dec: dict, replay_all:
         chain = all(budget_of(k) is None for (mm, _), k in cell_key.items() if mm == m)
         name = f"`{m}`" + (" (chain, no budget)" if chain else "")
         print(f"| {name} | " + " | ".join(cell(cell_key.get((m, b))) for b in budgets) + " |")
+
+
+def print_where_time_goes(keys: list[str], datasets: list[str], dec: dict, decoded: list[dict]) -> None:
+    """Per dataset: ms per round by stage, the τ a round needs to match ar's ms per token, and the
+    spread of per-prompt speedups (each prompt's tokens/s over its own ar run)."""
+    per_prompt = {}
+    for r in decoded:
+        seconds = sum(t["decode_seconds"] for t in r["turns"])
+        per_prompt[(r["dataset"], r["sample_id"], r["key"])] = sum(t["new_tokens"] for t in r["turns"]) / seconds
+    for d in datasets:
+        ar_key = next(k for k in keys if k.startswith("ar|"))
+        ar_ms = 1000.0 / dec[(d, ar_key)].tokens_per_second
+        print(f"\n### {d}: ms per round (ar: {ar_ms:.0f} ms per token) and per-prompt speedups\n")
+        print("| configuration | draft | tree | verify | commit | τ to break even | per-prompt speedup: sd | min | max |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for k in keys:
+            if k == ar_key or (d, k) not in dec:
+                continue
+            ms = dec[(d, k)].stage_ms_per_round
+            ratios = [v / per_prompt[(dd, sid, ar_key)] for (dd, sid, kk), v in per_prompt.items() if dd == d and kk == k]
+            mean = sum(ratios) / len(ratios)
+            sd = (sum((x - mean) ** 2 for x in ratios) / max(len(ratios) - 1, 1)) ** 0.5
+            round_ms = sum(ms.get(stage, 0.0) for stage in ("draft", "tree", "verify", "commit"))
+            print(f"| {label(k)} | {ms.get('draft', 0):.0f} | {ms.get('tree', 0):.0f} | {ms.get('verify', 0):.0f} | "
+                  f"{ms.get('commit', 0):.0f} | {round_ms / ar_ms:.1f} | {sd:.2f} | {min(ratios):.2f}x | {max(ratios):.2f}x |")
 
 
 if __name__ == "__main__":
