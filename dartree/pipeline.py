@@ -222,6 +222,35 @@ def _parse_dtype(dtype) -> torch.dtype:
     return names[dtype]
 
 
+def resolve_device(device) -> torch.device:
+    """A torch device from a name; ``"auto"`` picks the first GPU when there is one, else the CPU.
+
+    A GPU that this machine does not have is a clear error here rather than a CUDA assertion deep
+    inside the first forward.
+    """
+    if isinstance(device, torch.device):
+        device_obj = device
+    else:
+        if device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            device_obj = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise DartreeError(f"unknown device {device!r}; use cpu, cuda, cuda:N or auto") from None
+    if device_obj.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DartreeError(f"device {str(device_obj)!r} asked for, but this machine has no usable CUDA GPU "
+                               f"(torch {torch.__version__}); use --device cpu")
+        if device_obj.index is not None and device_obj.index >= torch.cuda.device_count():
+            raise DartreeError(f"device {str(device_obj)!r} asked for, but this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    elif device_obj.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise DartreeError("device 'mps' asked for, but this machine has no usable Apple GPU; use --device cpu")
+    elif device_obj.type != "cpu":
+        raise DartreeError(f"device {str(device_obj)!r} is not supported; use cpu, cuda, cuda:N, mps or auto")
+    return device_obj
+
+
 def load(target: str | Path | None = None, drafter: str | Path | None = None, dtype=torch.float32, device="cpu") -> Pipeline:
     """Load a target (any HF causal LM directory) and a DFlash-format drafter.
 
@@ -229,6 +258,7 @@ def load(target: str | Path | None = None, drafter: str | Path | None = None, dt
     in this repository, fully offline.
     """
     dtype = _parse_dtype(dtype)
+    device = resolve_device(device)
     if target is None:
         from .default_model import default_drafter_dir, default_target_dir
 

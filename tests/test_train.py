@@ -81,3 +81,51 @@ def test_training_reduces_loss_resumes_and_exports(tiny_data, tmp_path):
         want = hf_greedy(pipe.model, [3, 1, 4], 12)
         for method in ("dflash", "domino", "dartree"):
             assert pipe.generate(input_ids=[3, 1, 4], method=method, max_new_tokens=12, stop_token_ids=[]).token_ids == want
+
+
+def test_training_step_makes_every_tensor_on_the_model_device(tiny_data, tmp_path):
+    """A GPU run needs every tensor of a step on the model's device. Here the model is on the CPU and
+    the default device is ``meta``: a tensor created without ``device=`` lands on meta, and mixing it
+    with the CPU tensors fails, so this catches a forgotten device argument without a GPU."""
+    target_dir, target, data = tiny_data
+    cfg = TrainConfig(data=str(data), out=str(tmp_path / "run"), steps=2, anchors=6, block_size=5, gru=16, rank=8,
+                      heldout_seqs=4, tapped=[1, 2], device="cpu")
+    trainer = Trainer(target, cfg, "drafter")
+    seq = trainer.train_seqs[0]
+    with torch.device("meta"):
+        l_final, l_base, *_ = trainer.sequence_losses(seq, random.Random(0), grad=True)
+        metrics = trainer.evaluate()
+    assert l_final.device.type == "cpu" and torch.isfinite(l_final + l_base)
+    (l_final + l_base).backward()
+    assert all(p.grad is not None and p.grad.device.type == "cpu" for p in trainer.model.parameters() if p.requires_grad)
+    assert metrics["sim_tau_corrected"] >= 1.0
+
+
+def test_resolve_device(monkeypatch):
+    from dartree.errors import DartreeError
+    from dartree.pipeline import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu")
+    assert resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(DartreeError, match="no usable CUDA GPU.*--device cpu"):
+        resolve_device("cuda")
+    with pytest.raises(DartreeError, match="unknown device"):
+        resolve_device("gpu0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert resolve_device("auto") == torch.device("cuda")
+    assert resolve_device("cuda:0") == torch.device("cuda:0")
+    with pytest.raises(DartreeError, match="has 1 CUDA GPU"):
+        resolve_device("cuda:3")
+
+
+@pytest.mark.parametrize("argv", [["train", "drafter", "--device", "cuda"], ["train", "data", "--device", "cuda"],
+                                  ["generate", "hi", "--device", "cuda"]])
+def test_missing_gpu_is_a_one_line_cli_error(argv, monkeypatch, capsys):
+    from dartree.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "no usable CUDA GPU" in err and "Traceback" not in err

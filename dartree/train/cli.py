@@ -30,6 +30,7 @@ def add_train_parser(sub) -> None:
     data.add_argument("--sample-fraction", type=float, default=0.25, help="share of shards sampled at T=1 (rest greedy)")
     data.add_argument("--max-minutes", type=float, default=None, help="stop cleanly after this long (resume later)")
     data.add_argument("--seed", type=int, default=0)
+    data.add_argument("--device", default="auto", help="auto (default: a GPU when there is one, else the CPU), cpu, cuda or cuda:N")
     data.set_defaults(func=_run_data)
 
     from .drafter import add_drafter_args
@@ -41,11 +42,11 @@ def _run_data(args) -> int:
     import torch
 
     from ..default_model import default_target_dir
-    from ..pipeline import load_target, load_tokenizer
+    from ..pipeline import load_target, load_tokenizer, resolve_device
     from .data import generate_data
 
     target = Path(args.target) if args.target else default_target_dir()
-    model = load_target(target, torch.float32, "cpu")
+    model = load_target(target, torch.float32, resolve_device(args.device))
     tokenizer = load_tokenizer(target)
     tapped = [int(x) for x in args.tapped.split(",")]
     generate_data(model, tokenizer, tapped, args.prompts, args.out, args.num_prompts, args.batch_size,

@@ -91,11 +91,12 @@ def generate_batch(model, tapped: list[int], prompts: list[list[int]], max_new_t
                    stop_ids: set[int], pad_id: int, generator: torch.Generator) -> list[Sequence]:
     from transformers import StaticCache
 
+    device, cpu = next(model.parameters()).device, torch.device("cpu")
     n, width = len(prompts), max(len(p) for p in prompts)
-    ids = torch.full((n, width), pad_id, dtype=torch.long)
-    attn = torch.zeros((n, width), dtype=torch.long)
+    ids = torch.full((n, width), pad_id, dtype=torch.long, device=device)
+    attn = torch.zeros((n, width), dtype=torch.long, device=device)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
+        ids[i, width - len(p):] = torch.tensor(p, device=device)
         attn[i, width - len(p):] = 1
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     cap = _Capture(model, tapped)
@@ -108,19 +109,21 @@ def generate_batch(model, tapped: list[int], prompts: list[list[int]], max_new_t
         feats.append(f)
         finals.append(h)
         responses = [[] for _ in range(n)]
-        done = torch.zeros(n, dtype=torch.bool)
+        done = torch.zeros(n, dtype=torch.bool, device=cpu)
         for step in range(max_new_tokens):
-            if temperature > 0:
-                nxt = torch.multinomial((logits.float() / temperature).softmax(-1), 1, generator=generator).squeeze(-1)
+            if temperature > 0:  # sampled on the CPU with a CPU generator: the same data on any device
+                probs = (logits.float() / temperature).softmax(-1).cpu()
+                nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1).to(device)
             else:
                 nxt = logits.argmax(-1)
+            picked = nxt.tolist()
             for i in torch.nonzero(~done).flatten().tolist():
-                responses[i].append(int(nxt[i]))
-                if int(nxt[i]) in stop_ids:
+                responses[i].append(picked[i])
+                if picked[i] in stop_ids:
                     done[i] = True
             if bool(done.all()) or step == max_new_tokens - 1:
                 break
-            attn = torch.cat([attn, torch.ones(n, 1, dtype=torch.long)], dim=1)
+            attn = torch.cat([attn, torch.ones(n, 1, dtype=torch.long, device=device)], dim=1)
             pos = pos[:, -1:] + 1
             logits = model(input_ids=nxt[:, None], attention_mask=attn, position_ids=pos, cache=cache, use_cache=True).logits[:, -1]
             f, h = cap.pop()
@@ -128,12 +131,12 @@ def generate_batch(model, tapped: list[int], prompts: list[list[int]], max_new_t
             finals.append(h)
     finally:
         cap.close()
-    feats_all, finals_all = torch.cat(feats, dim=1), torch.cat(finals, dim=1)
+    feats_all, finals_all = torch.cat(feats, dim=1).to(cpu), torch.cat(finals, dim=1).to(cpu)
     out = []
     for i, p in enumerate(prompts):
         length = len(p) + len(responses[i])
-        rows = torch.arange(width - len(p), width - len(p) + length - 1)  # positions 0..L-2 of this sequence
-        out.append(Sequence(torch.tensor(p + responses[i], dtype=torch.int32), len(p), feats_all[i, rows], finals_all[i, rows]))
+        rows = torch.arange(width - len(p), width - len(p) + length - 1, device=cpu)  # positions 0..L-2 of this sequence
+        out.append(Sequence(torch.tensor(p + responses[i], dtype=torch.int32, device=cpu), len(p), feats_all[i, rows], finals_all[i, rows]))
     return out
 
 

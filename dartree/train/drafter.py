@@ -51,6 +51,7 @@ class TrainConfig:
     save_every: int = 100
     max_minutes: float | None = None
     seed: int = 0
+    device: str = "cpu"  # where the target and the drafter train; shards stay in CPU memory
     init_from_target: bool = True
     init_drafter: str = "runs/drafter/checkpoint"  # markov step: the trained drafter whose backbone is kept
     tapped: list[int] = field(default_factory=lambda: [1, 7, 14, 21, 27])
@@ -112,14 +113,20 @@ def new_drafter(target, cfg: TrainConfig, head: str | None) -> DrafterModel:
     return model
 
 
+def to_device(seq: Sequence, device: torch.device) -> Sequence:
+    if seq.tokens.device == device:
+        return seq
+    return Sequence(seq.tokens.to(device), seq.prompt_len, seq.features.to(device), seq.teacher.to(device))
+
+
 def block_batch(seq: Sequence, anchors: int, block: int, rng: random.Random):
     """Anchor positions, block token ids and labels for one sequence."""
     length = seq.tokens.numel()
     first, last = seq.prompt_len, length - 2  # anchor and its next token are both real
     pool = list(range(first, last + 1))
     picks = sorted(rng.sample(pool, min(anchors, len(pool))))
-    a = torch.tensor(picks)
-    k = torch.arange(block)
+    a = torch.tensor(picks, device=seq.tokens.device)
+    k = torch.arange(block, device=a.device)
     target_pos = a[:, None] + k[None, :] + 1  # slot k predicts token a+k+1
     valid = target_pos <= length - 1
     labels = seq.tokens[target_pos.clamp(max=length - 1)]
@@ -129,15 +136,15 @@ def block_batch(seq: Sequence, anchors: int, block: int, rng: random.Random):
 
 def drafter_outputs(model: DrafterModel, embed, seq: Sequence, a: torch.Tensor, block: int, dtype):
     """Packed forward: hidden states [A, b, H] for all anchors of one sequence."""
-    n_ctx = seq.features.shape[0]
+    n_ctx, dev = seq.features.shape[0], a.device
     feats = seq.features.to(dtype)
     emb = model.block_embeddings(embed, seq.tokens[a])
     q = a.numel() * block
-    block_pos = (a[:, None] + torch.arange(block)[None, :]).reshape(-1)
-    ctx_pos = torch.arange(n_ctx)
+    block_pos = (a[:, None] + torch.arange(block, device=dev)[None, :]).reshape(-1)
+    ctx_pos = torch.arange(n_ctx, device=dev)
     # visibility: block j sees context < a_j and its own block
     see_ctx = ctx_pos[None, :] < a.repeat_interleave(block)[:, None]
-    blk_id = torch.arange(a.numel()).repeat_interleave(block)
+    blk_id = torch.arange(a.numel(), device=dev).repeat_interleave(block)
     see_blk = blk_id[:, None] == blk_id[None, :]
     mask = torch.cat([see_ctx, see_blk], dim=1)[None, None]
     hidden = model(emb.reshape(1, q, -1), feats[None], ctx_pos, block_pos, attn_mask=mask)[0]
@@ -162,7 +169,9 @@ def acceptance(logits_blocks, labels, valid):
 
 class Trainer:
     def __init__(self, target, cfg: TrainConfig, stage: str):
-        self.target, self.cfg, self.stage = target, cfg, stage  # stage: "drafter" (backbone + Domino) or "markov"
+        self.cfg, self.stage = cfg, stage  # stage: "drafter" (backbone + Domino) or "markov"
+        self.device = torch.device(cfg.device)
+        self.target = target.to(self.device)
         self.out = Path(cfg.out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.embed = target.get_input_embeddings()
@@ -181,7 +190,7 @@ class Trainer:
         ckpt = self.out / "checkpoint"
         if (ckpt / "config.json").is_file():
             self.model = load_drafter(ckpt)
-            state = torch.load(self.out / "trainer.pt", weights_only=False)
+            state = torch.load(self.out / "trainer.pt", weights_only=False, map_location="cpu")
             self.step = state["step"]
             self.rng.setstate(state["rng"])
         else:
@@ -195,7 +204,7 @@ class Trainer:
             else:
                 self.model = new_drafter(target, cfg, "domino")
             state = None
-        self.model.train()
+        self.model.to(self.device).train()
         if self.model.head is not None:
             self.model.head.bind(self.embed)
         if stage == "markov":
@@ -222,6 +231,7 @@ class Trainer:
 
     def sequence_losses(self, seq: Sequence, rng, grad: bool, need_base: bool = True):
         cfg = self.cfg
+        seq = to_device(seq, self.device)
         a, valid, labels, prev = block_batch(seq, cfg.anchors, cfg.block_size, rng)
         ctx = torch.enable_grad() if grad and self.stage != "markov" else torch.no_grad()
         with ctx:
@@ -229,10 +239,10 @@ class Trainer:
         base = self.lm_head(hidden)
         with torch.enable_grad() if grad else torch.no_grad():
             final = self.model.head.block_logits(hidden, base, prev)
-        tpos = (a[:, None] + torch.arange(cfg.block_size)[None, :]).clamp(max=seq.teacher.shape[0] - 1)
+        tpos = (a[:, None] + torch.arange(cfg.block_size, device=a.device)[None, :]).clamp(max=seq.teacher.shape[0] - 1)
         with torch.no_grad():
             teacher_logp = self.lm_head(seq.teacher[tpos[valid]].float()).log_softmax(-1)
-        w = torch.exp(-torch.arange(cfg.block_size, dtype=torch.float32) / cfg.gamma)[None, :].expand_as(valid)[valid]
+        w = torch.exp(-torch.arange(cfg.block_size, dtype=torch.float32, device=a.device) / cfg.gamma)[None, :].expand_as(valid)[valid]
         lab = labels[valid]
         l_final = block_loss(final[valid], teacher_logp, lab, w, cfg.hard_weight)
         # the base term costs a full-vocabulary softmax: skip it once the curriculum weight is 0
@@ -260,7 +270,7 @@ class Trainer:
     def run(self):
         cfg = self.cfg
         t0 = time.perf_counter()
-        bar = tqdm(total=cfg.steps, initial=self.step, desc=f"train {self.stage}", unit="step")
+        bar = tqdm(total=cfg.steps, initial=self.step, desc=f"train {self.stage} ({self.device})", unit="step")
         while self.step < cfg.steps:
             if cfg.max_minutes is not None and time.perf_counter() - t0 > 60 * cfg.max_minutes:
                 bar.write(f"time limit reached at step {self.step}; run again to resume")
@@ -319,6 +329,7 @@ def add_drafter_args(steps) -> None:
         p.add_argument("--lr", type=float, default=TrainConfig.lr)
         p.add_argument("--eval-every", type=int, default=TrainConfig.eval_every)
         p.add_argument("--max-minutes", type=float, default=None, help="stop cleanly after this long; rerun to resume")
+        p.add_argument("--device", default="auto", help="auto (default: a GPU when there is one, else the CPU), cpu, cuda or cuda:N")
         p.add_argument("--export", help="after training, write a bf16 copy of the drafter here")
         if name == "markov":
             p.add_argument("--init-drafter", default="runs/drafter/checkpoint", help="trained drafter whose backbone is kept")
@@ -327,13 +338,15 @@ def add_drafter_args(steps) -> None:
 
 def _run_train(args) -> int:
     from ..default_model import default_target_dir
-    from ..pipeline import load_target
+    from ..pipeline import load_target, resolve_device
 
     torch.manual_seed(0)
-    target = load_target(Path(args.target) if args.target else default_target_dir(), torch.float32, "cpu")
+    device = resolve_device(args.device)
+    target = load_target(Path(args.target) if args.target else default_target_dir(), torch.float32, device)
     cfg = TrainConfig(data=args.data, out=args.out, steps=args.steps, seqs_per_step=args.seqs_per_step, anchors=args.anchors,
                       layers=args.layers, gru=args.gru, rank=args.rank, markov_rank=args.markov_rank, lr=args.lr,
-                      eval_every=args.eval_every, save_every=args.eval_every, max_minutes=args.max_minutes)
+                      eval_every=args.eval_every, save_every=args.eval_every, max_minutes=args.max_minutes,
+                      device=str(device))
     if args.stage == "markov":
         cfg.init_drafter = args.init_drafter
     ckpt = Trainer(target, cfg, args.stage).run()
