@@ -10,6 +10,7 @@ to the decoded tau: they should agree (up to float rounding of the context featu
 
 from __future__ import annotations
 
+import statistics
 import sys
 from pathlib import Path
 
@@ -17,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dartree.bench.report import METHOD_ORDER, complete_prompts, summarise  # noqa: E402
 from dartree.bench.runner import read_records  # noqa: E402
+from dartree.decoding import STAGES  # noqa: E402
 
 
 def budget_of(key: str) -> int | None:
@@ -91,8 +93,9 @@ def print_where_time_goes(keys: list[str], datasets: list[str], dec: dict, decod
     for r in decoded:
         seconds = sum(t["decode_seconds"] for t in r["turns"])
         per_prompt[(r["dataset"], r["sample_id"], r["key"])] = sum(t["new_tokens"] for t in r["turns"]) / seconds
+    ar_key = next(k for k in keys if k.startswith("ar|"))
+    round_stages = [stage for stage in STAGES if stage != "prefill"]  # prefill is outside the timed decode
     for d in datasets:
-        ar_key = next(k for k in keys if k.startswith("ar|"))
         ar_ms = 1000.0 / dec[(d, ar_key)].tokens_per_second
         print(f"\n### {d}: ms per round (ar: {ar_ms:.0f} ms per token) and per-prompt speedups\n")
         print("| configuration | draft | tree | verify | commit | τ to break even | per-prompt speedup: sd | min | max |")
@@ -102,9 +105,8 @@ def print_where_time_goes(keys: list[str], datasets: list[str], dec: dict, decod
                 continue
             ms = dec[(d, k)].stage_ms_per_round
             ratios = [v / per_prompt[(dd, sid, ar_key)] for (dd, sid, kk), v in per_prompt.items() if dd == d and kk == k]
-            mean = sum(ratios) / len(ratios)
-            sd = (sum((x - mean) ** 2 for x in ratios) / max(len(ratios) - 1, 1)) ** 0.5
-            round_ms = sum(ms.get(stage, 0.0) for stage in ("draft", "tree", "verify", "commit"))
+            sd = statistics.stdev(ratios) if len(ratios) > 1 else 0.0
+            round_ms = sum(ms.get(stage, 0.0) for stage in round_stages)
             print(f"| {label(k)} | {ms.get('draft', 0):.0f} | {ms.get('tree', 0):.0f} | {ms.get('verify', 0):.0f} | "
                   f"{ms.get('commit', 0):.0f} | {round_ms / ar_ms:.1f} | {sd:.2f} | {min(ratios):.2f}x | {max(ratios):.2f}x |")
 

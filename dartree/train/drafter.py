@@ -114,8 +114,7 @@ def new_drafter(target, cfg: TrainConfig, head: str | None) -> DrafterModel:
 
 
 def to_device(seq: Sequence, device: torch.device) -> Sequence:
-    if seq.tokens.device == device:
-        return seq
+    """The sequence's tensors on ``device`` (``Tensor.to`` returns them as they are when already there)."""
     return Sequence(seq.tokens.to(device), seq.prompt_len, seq.features.to(device), seq.teacher.to(device))
 
 
