@@ -112,7 +112,7 @@ def decode(
             timer.lap("draft")
             if first_round:  # the first draft call also prefills the drafter: not decode time
                 decode_start = time.perf_counter()
-            tree = builder.build(draft, head)
+            tree = builder.propose(draft, head)
             timer.lap("tree")
         else:
             tree = DraftTree.empty(prompt_ids.device)

@@ -2,8 +2,13 @@
 
 The drafter is a stack of Qwen3-style decoder layers whose queries come only from the draft block
 ([bonus, MASK, ..., MASK]) while keys/values are the fused target context followed by the block
-("KV injection"). Attention is non-causal. The drafter has no embedding and no lm_head of its own:
-it borrows the target's, which stay frozen.
+("KV injection"). Attention is non-causal. The drafter has no embedding of its own: it borrows the
+target's, which stays frozen. Its output layer is the target's lm_head too (as in every published
+DFlash / Domino checkpoint), unless it carries a reduced draft vocabulary as EAGLE-3 drafters do:
+its own ``lm_head.weight`` [V_d, H] over the V_d most frequent target-written tokens and ``d2t`` [V_d]
+(target id = draft id + d2t[draft id]), with ``draft_vocab_size`` in config.json. Base logits, the
+correction heads and the tree builders then work on draft ids; ``DraftOutput.to_target`` maps the
+finished tree's tokens back, so verification only ever sees target ids.
 """
 
 from __future__ import annotations
@@ -45,7 +50,13 @@ class DrafterConfig:
     emb_dim: int = 256
     gru_hidden_dim: int = 1024
     markov_rank: int = 0
+    draft_vocab_size: int | None = None  # reduced output vocabulary (own lm_head + d2t); None: the target's
     extra: dict = field(default_factory=dict)  # unknown fields, written back unchanged on save
+
+    @property
+    def output_vocab_size(self) -> int:
+        """Rows of the base logits: the draft vocabulary when reduced, else the target's."""
+        return self.draft_vocab_size or self.vocab_size
 
     @property
     def num_draft_depths(self) -> int:
@@ -92,6 +103,7 @@ class DrafterConfig:
                 emb_dim=int(dflash.pop("emb_dim", 256)),
                 gru_hidden_dim=int(dflash.pop("gru_hidden_dim", 1024)),
                 markov_rank=markov_rank,
+                draft_vocab_size=int(raw.pop("draft_vocab_size")) if raw.get("draft_vocab_size") else None,
             )
         except KeyError as exc:
             raise CheckpointError(
@@ -101,6 +113,11 @@ class DrafterConfig:
             ) from None
         except (TypeError, ValueError) as exc:
             raise CheckpointError(f"drafter config.json has a field of the wrong type: {exc}") from None
+        require(
+            cfg.draft_vocab_size is None or 1 <= cfg.draft_vocab_size <= cfg.vocab_size,
+            f"draft_vocab_size must be between 1 and vocab_size ({cfg.vocab_size}), got {cfg.draft_vocab_size}",
+            CheckpointError,
+        )
         require(cfg.block_size >= 2, f"block_size must be at least 2, got {cfg.block_size}", CheckpointError)
         require(
             cfg.projector_type in (None, "domino", "markov"),
@@ -149,6 +166,8 @@ class DrafterConfig:
             num_target_layers=self.num_target_layers,
             dflash_config=dflash,
         )
+        if self.draft_vocab_size:
+            out["draft_vocab_size"] = self.draft_vocab_size
         return out
 
 
@@ -279,7 +298,24 @@ class DrafterModel(nn.Module):
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.mask_embedding: nn.Parameter | None = None
+        self.lm_head: nn.Linear | None = None
+        if cfg.draft_vocab_size:
+            self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
+            self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        else:
+            self.d2t = None
         self.head: CorrectionHead | None = build_head(cfg)
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Target ids of draft ids (the identity without a reduced vocabulary)."""
+        return draft_ids if self.d2t is None else draft_ids + self.d2t[draft_ids]
+
+    def target_to_draft(self, vocab_size: int) -> torch.Tensor:
+        """[vocab_size] draft id of every target id, -1 where the draft vocabulary lacks it."""
+        out = torch.full((vocab_size,), -1, dtype=torch.long, device=self.fc.weight.device)
+        ids = torch.arange(self.config.output_vocab_size, device=out.device)
+        out[self.draft_to_target(ids)] = ids
+        return out
 
     def block_embeddings(self, embed_tokens: nn.Embedding, first_tokens: torch.Tensor) -> torch.Tensor:
         """[N] anchor tokens -> [N, block_size, H] embeddings of [anchor, MASK, ...]."""
@@ -367,7 +403,9 @@ def load_drafter(directory: str | Path, dtype: torch.dtype = torch.float32, devi
     model = DrafterModel(cfg)
     if "mask_embedding" in state:
         model.mask_embedding = nn.Parameter(torch.zeros(cfg.hidden_size))
-    ignored = {"embed_tokens.weight", "lm_head.weight"}  # DSpark ships copies of the target's; we use the target's
+    # DSpark ships copies of the target's embedding and lm_head; we use the target's. A reduced
+    # draft vocabulary brings its own lm_head (and d2t), which is kept.
+    ignored = {"embed_tokens.weight"} | (set() if cfg.draft_vocab_size else {"lm_head.weight"})
     state = {k: v for k, v in state.items() if k not in ignored}
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
@@ -381,7 +419,17 @@ def load_drafter(directory: str | Path, dtype: torch.dtype = torch.float32, devi
             CheckpointError,
         )
     model.load_state_dict(state)
-    return model.to(device=device, dtype=dtype).eval()
+    if model.d2t is not None:
+        target_ids = model.draft_to_target(torch.arange(cfg.draft_vocab_size))
+        require(
+            bool(((target_ids >= 0) & (target_ids < cfg.vocab_size)).all()) and target_ids.unique().numel() == target_ids.numel(),
+            f"drafter d2t in {directory} must map the {cfg.draft_vocab_size} draft ids to distinct target ids below {cfg.vocab_size}",
+            CheckpointError,
+        )
+    model.to(device=device, dtype=dtype)
+    if model.d2t is not None:
+        model.d2t = model.d2t.long()  # Module.to(dtype) leaves integer buffers alone; keep it explicit
+    return model.eval()
 
 
 def save_drafter(model: DrafterModel, directory: str | Path) -> None:
@@ -405,18 +453,23 @@ def save_drafter(model: DrafterModel, directory: str | Path) -> None:
 class DraftOutput:
     """What the backbone proposes for one round: D hidden states and their base logits."""
 
-    bonus: int
+    bonus: int  # a target id
     hidden: torch.Tensor  # [D, H] final-normed drafter states (z_d)
-    base_logits: torch.Tensor  # [D, V] lm_head(z_d)
+    base_logits: torch.Tensor  # [D, V_d] lm_head(z_d), over draft ids
+    d2t: torch.Tensor | None = None  # [V_d] offsets to target ids; None: draft ids are target ids
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids if self.d2t is None else draft_ids + self.d2t[draft_ids]
 
 
 class DraftProposer:
-    """Runs the drafter once per round with the target's frozen embedding and lm_head."""
+    """Runs the drafter once per round with the target's frozen embedding and output layer (or its own
+    reduced-vocabulary output layer when it has one)."""
 
     def __init__(self, model: DrafterModel, embed_tokens: nn.Embedding, lm_head: nn.Module):
         self.model = model
         self.embed_tokens = embed_tokens
-        self.lm_head = lm_head
+        self.lm_head = model.lm_head if model.lm_head is not None else lm_head
         self.cache = DrafterCache(model.config.num_hidden_layers)
         cfg = model.config
         if model.mask_embedding is None:
@@ -447,5 +500,5 @@ class DraftProposer:
         self.cache.crop(start)  # keep the context K/V, drop the block's
         if not cfg.shift_label:
             hidden = hidden[1:]  # slot 0 only restates the bonus token
-        return DraftOutput(bonus=bonus, hidden=hidden, base_logits=self.lm_head(hidden))
+        return DraftOutput(bonus=bonus, hidden=hidden, base_logits=self.lm_head(hidden), d2t=self.model.d2t)
 

@@ -3,7 +3,8 @@
 Both heads sit behind one small interface so that no tree builder knows which one it uses:
 
 - ``initial_state(bonus)``: the state of the root (the path holding only the bonus token);
-- ``advance(states, tokens)``: the states of a batch of paths, each extended by one token;
+- ``advance(states, tokens)``: the states of a batch of paths, each extended by one token (draft ids:
+  with a reduced draft vocabulary the head maps them to target ids itself);
 - ``logits(round, slot, states, candidates)``: corrected logits of candidate tokens at one block
   slot, for a batch of path states.
 
@@ -37,10 +38,16 @@ class CorrectionHead(nn.Module):
     def __init__(self):
         super().__init__()
         self._embed: nn.Embedding | None = None
+        self._d2t: torch.Tensor | None = None
 
-    def bind(self, embed_tokens: nn.Embedding) -> None:
-        """Give the head the target's frozen token embedding (not saved with the head)."""
+    def bind(self, embed_tokens: nn.Embedding, d2t: torch.Tensor | None = None) -> None:
+        """Give the head the target's frozen token embedding and the drafter's draft-to-target id
+        offsets (neither is saved with the head)."""
         object.__setattr__(self, "_embed", embed_tokens)
+        object.__setattr__(self, "_d2t", d2t)
+
+    def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids if self._d2t is None else draft_ids + self._d2t[draft_ids]
 
     def start_round(self, hidden: torch.Tensor, base_logits: torch.Tensor) -> HeadRound:
         return HeadRound(hidden=hidden, base_logits=base_logits)
@@ -72,7 +79,7 @@ class CorrectionHead(nn.Module):
     def block_logits(self, hidden: torch.Tensor, base_logits: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
         """Teacher-forced corrected logits for whole blocks.
 
-        hidden [N, Q, H], base_logits [N, Q, V], prev_tokens [N, Q]: the tokens each slot conditions on
+        hidden [N, Q, H], base_logits [N, Q, V], prev_tokens [N, Q]: the tokens (target ids) each slot conditions on
         (slot k has seen prev_tokens[:, :k+1]). Returns [N, Q, V].
         """
         raise NotImplementedError
@@ -125,7 +132,7 @@ class DominoHead(CorrectionHead):
         return self._gru_step(zeros, torch.tensor([bonus], device=w.device))
 
     def advance(self, states, tokens, rows=None):
-        return self._gru_step(states, tokens, rows)
+        return self._gru_step(states, self.target_ids(tokens), rows)
 
     def output_rows(self, candidates):
         w2 = self.embed_proj[2].weight
@@ -143,18 +150,21 @@ class DominoHead(CorrectionHead):
 
 
 class MarkovHead(CorrectionHead):
-    """DSpark's Markov head: a rank-r bias W2 · W1[previous token]; the state is W1[last token]."""
+    """DSpark's Markov head: a rank-r bias W2 · W1[previous token]; the state is W1[last token].
 
-    def __init__(self, vocab_size: int, rank: int):
+    W1 is indexed by target ids (the previous token may be any target token, the bonus included);
+    W2 has one row per output (draft) id."""
+
+    def __init__(self, vocab_size: int, rank: int, output_size: int | None = None):
         super().__init__()
         self.markov_w1 = nn.Embedding(vocab_size, rank)
-        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+        self.markov_w2 = nn.Linear(rank, output_size or vocab_size, bias=False)
 
     def initial_state(self, bonus):
         return self.markov_w1.weight[bonus][None]
 
     def advance(self, states, tokens, rows=None):
-        return self.markov_w1(tokens)
+        return self.markov_w1(self.target_ids(tokens))
 
     def output_rows(self, candidates):
         w2 = self.markov_w2.weight
@@ -169,7 +179,7 @@ class MarkovHead(CorrectionHead):
 
 def build_head(cfg: "DrafterConfig") -> CorrectionHead | None:
     if cfg.projector_type == "domino":
-        return DominoHead(cfg.hidden_size, cfg.gru_hidden_dim, cfg.emb_dim, cfg.vocab_size, cfg.pure_draft_prefix_len)
+        return DominoHead(cfg.hidden_size, cfg.gru_hidden_dim, cfg.emb_dim, cfg.output_vocab_size, cfg.pure_draft_prefix_len)
     if cfg.projector_type == "markov":
-        return MarkovHead(cfg.vocab_size, cfg.markov_rank)
+        return MarkovHead(cfg.vocab_size, cfg.markov_rank, cfg.output_vocab_size)
     return None

@@ -98,7 +98,7 @@ class Pipeline:
             self.proposer = DraftProposer(drafter, self.target.embed_tokens, self.target.lm_head)
             self.head = drafter.head
             if self.head is not None:
-                self.head.bind(self.target.embed_tokens)
+                self.head.bind(self.target.embed_tokens, drafter.d2t)
 
     @property
     def device(self) -> torch.device:

@@ -110,7 +110,7 @@ def replay(
         cached = start
         for run in waiting:
             started = time.perf_counter()
-            tree = run.builder.build(draft, pipe.head)
+            tree = run.builder.propose(draft, pipe.head)
             run.tree_seconds += time.perf_counter() - started
             row_depths = torch.cat([torch.zeros(1, dtype=torch.long, device=tree.depths.device), tree.depths])
             accepted, _ = follow_tree(tree, choices[i + row_depths])

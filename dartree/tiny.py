@@ -82,7 +82,10 @@ def make_tiny_drafter(
     seed: int = 0,
     use_mask_embedding: bool = False,
     weight_std: float = 0.3,
+    draft_vocab: int | None = None,
 ) -> Path:
+    """A random drafter in the published format; ``draft_vocab`` gives it a reduced output vocabulary
+    (its own lm_head over a random subset of that many target ids, with d2t)."""
     from transformers import AutoConfig
 
     tcfg = AutoConfig.from_pretrained(target_dir)
@@ -107,6 +110,7 @@ def make_tiny_drafter(
         emb_dim=16,
         gru_hidden_dim=24,
         markov_rank=16 if head == "markov" else 0,
+        draft_vocab_size=draft_vocab,
     )
     model = DrafterModel(cfg)
     if use_mask_embedding:
@@ -118,5 +122,8 @@ def make_tiny_drafter(
                 p.fill_(1.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * weight_std)
+        if draft_vocab:
+            ids = torch.randperm(tcfg.vocab_size, generator=gen)[:draft_vocab].sort().values
+            model.d2t.copy_(ids - torch.arange(draft_vocab))
     save_drafter(model, directory)
     return Path(directory)

@@ -166,7 +166,15 @@ class TreeBuilder:
         self.settings = settings
 
     def build(self, draft, head: CorrectionHead | None) -> DraftTree:
+        """The tree over draft ids (the draft's output vocabulary)."""
         raise NotImplementedError
+
+    def propose(self, draft, head: CorrectionHead | None) -> DraftTree:
+        """The tree over target ids, ready to verify."""
+        tree = self.build(draft, head)
+        if getattr(draft, "d2t", None) is not None and len(tree):
+            tree = DraftTree(draft.to_target(tree.tokens), tree.parents, tree.depths)
+        return tree
 
 
 class AutoregressiveBuilder(TreeBuilder):

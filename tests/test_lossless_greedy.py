@@ -169,3 +169,54 @@ def test_streamer_without_put_and_end_is_refused(pipelines):
 
     with pytest.raises(DartreeError, match="streamer must have put"):
         pipelines[("llama", "domino")].generate(input_ids=[1, 2], max_new_tokens=3, streamer=object())
+
+
+@pytest.fixture(scope="module")
+def reduced_vocab_pipelines(model_dirs, tmp_path_factory):
+    """Drafters with a reduced output vocabulary (own lm_head over 5 of the 8 target ids + d2t)."""
+    import torch
+
+    import dartree
+    from dartree.tiny import make_tiny_drafter
+
+    root = tmp_path_factory.mktemp("reduced")
+    out = {}
+    for family in FAMILIES:
+        for head in HEADS:
+            d = make_tiny_drafter(root / f"{family}-{head}", model_dirs[(family, "target")], head=head, block_size=6,
+                                  seed=7, draft_vocab=5)
+            out[(family, head)] = dartree.load(model_dirs[(family, "target")], d, dtype=torch.float64)
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("head", HEADS)
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt=prompts, budget=st.sampled_from([1, 4, 16]), top_k=st.sampled_from([2, 64]))
+def test_reduced_draft_vocabulary_matches_hf_greedy(reduced_vocab_pipelines, family, head, prompt, budget, top_k):
+    pipe = reduced_vocab_pipelines[(family, head)]
+    assert pipe.drafter.config.draft_vocab_size == 5
+    want = reference(pipe, family, prompt, 20)
+    for method in pipe.methods:
+        got = pipe.generate(input_ids=prompt, method=method, max_new_tokens=20, budget=budget, top_k=top_k,
+                            stop_token_ids=[])
+        assert got.token_ids == want, f"{method} diverged from greedy decoding with a reduced draft vocabulary"
+
+
+def test_reduced_vocabulary_trees_hold_target_ids_of_the_draft_vocabulary(reduced_vocab_pipelines):
+    """Trees are built over draft ids and handed on as target ids from the draft vocabulary only."""
+    import torch
+
+    from dartree.trees import TreeSettings, make_builder
+
+    pipe = reduced_vocab_pipelines[("llama", "domino")]
+    allowed = set(pipe.drafter.draft_to_target(torch.arange(5)).tolist())
+    assert len(allowed) == 5 and allowed != set(range(5))  # the mapping is not the identity
+    ids = torch.tensor([1, 2, 3])
+    _, features = pipe.target.prefill(ids) if pipe.target.capture else (None, None)
+    pipe.proposer.reset()
+    draft = pipe.proposer.draft(4, features, 3)
+    assert draft.base_logits.shape[-1] == 5
+    for method in ("dflash", "ddtree", "domino", "heap", "dartree"):
+        tree = make_builder(method, TreeSettings(budget=16)).propose(draft, pipe.head)
+        assert len(tree) > 0 and set(tree.tokens.tolist()) <= allowed, method

@@ -7,8 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import dartree
-from dartree.train.data import generate_batch, load_shard, save_shard
-from dartree.train.drafter import TrainConfig, Trainer, block_batch, export
+from dartree.train.data import generate_batch, load_shard, save_shard, target_features
+from dartree.train.drafter import TrainConfig, Trainer, block_batch, draft_vocabulary, export, vocabulary_coverage
 
 from conftest import hf_greedy
 
@@ -25,7 +25,7 @@ def tiny_data(tmp_path_factory):
     data.mkdir()
     for k in range(3):
         prompts = [[rng.randrange(16) for _ in range(rng.randint(2, 6))] for _ in range(8)]
-        seqs = generate_batch(target, [1, 2], prompts, 24, 1.0 if k == 2 else 0.0, set(), 0, torch.Generator().manual_seed(k))
+        seqs = generate_batch(target, prompts, 24, 1.0 if k == 2 else 0.0, set(), 0, torch.Generator().manual_seed(k))
         save_shard(data / f"shard-{k:05d}.safetensors", seqs, {"shard": k})
     return target_dir, target, data
 
@@ -33,11 +33,34 @@ def tiny_data(tmp_path_factory):
 def test_batched_generation_matches_unbatched_greedy(tiny_data):
     target_dir, target, data = tiny_data
     seqs = load_shard(data / "shard-00000.safetensors")
-    for s in seqs[:4]:
+    assert len(seqs) == 8
+    for s in seqs:
         prompt = s.tokens[: s.prompt_len].tolist()
         assert s.tokens[s.prompt_len:].tolist() == hf_greedy(target, prompt, 24)
-        ref = target(s.tokens[None].long(), output_hidden_states=True).hidden_states
-        torch.testing.assert_close(s.features[:, 32:].float(), ref[3][0, :-1], atol=2e-2, rtol=1e-2)
+
+
+def test_shards_hold_token_ids_only_and_features_are_recomputed(tiny_data):
+    from safetensors.torch import load_file
+
+    target_dir, target, data = tiny_data
+    assert set(load_file(str(data / "shard-00000.safetensors"))) == {"tokens", "offsets", "prompt_lens"}
+    s = load_shard(data / "shard-00001.safetensors")[0]
+    feats, final = target_features(target, [1, 2], s.tokens)
+    ref = target(s.tokens[None].long(), output_hidden_states=True)
+    # hidden_states[i + 1] is the output of layer i; the last one is already final-normed
+    torch.testing.assert_close(feats[:, :32], ref.hidden_states[2][0])
+    torch.testing.assert_close(feats[:, 32:], ref.hidden_states[3][0])
+    torch.testing.assert_close(target.lm_head(final), ref.logits[0])
+
+
+def test_draft_vocabulary_is_the_most_frequent_response_tokens():
+    from dartree.train.data import Sequence
+
+    seqs = [Sequence(torch.tensor([9, 9, 9, 1, 1, 2, 5, 5, 5]), 3), Sequence(torch.tensor([0, 5, 1, 7]), 1)]
+    # responses: 1 1 2 5 5 5 | 5 1 7 -> 5 x4, 1 x3, then 2 and 7 once (tie: the smaller id); the prompt's 9s do not count
+    assert draft_vocabulary(seqs, 3, 10).tolist() == [1, 2, 5]
+    cov = vocabulary_coverage(seqs, 10, sizes=(1, 2, 4))
+    assert cov == {1: 4 / 9, 2: 7 / 9, 4: 1.0}
 
 
 def test_block_batch_labels_are_shifted():
@@ -55,7 +78,7 @@ def test_block_batch_labels_are_shifted():
 def test_training_reduces_loss_resumes_and_exports(tiny_data, tmp_path):
     target_dir, target, data = tiny_data
     cfg = TrainConfig(data=str(data), out=str(tmp_path / "run"), steps=40, seqs_per_step=2, anchors=6, block_size=5,
-                      gru=16, rank=8, lr=3e-3, heldout_seqs=4, eval_every=20, save_every=20, tapped=[1, 2])
+                      gru=16, rank=8, lr=3e-3, heldout_seqs=4, eval_every=20, save_every=20, tapped=[1, 2], draft_vocab=12)
     trainer = Trainer(target, cfg, "drafter")
     first = trainer.evaluate()["heldout_loss"]
     cfg.steps = 20
@@ -68,6 +91,7 @@ def test_training_reduces_loss_resumes_and_exports(tiny_data, tmp_path):
     assert resumed.step == 40
     assert resumed.evaluate()["heldout_loss"] < first
     assert (tmp_path / "run" / "metrics.jsonl").read_text().count("sim_tau_base") >= 2
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().count("sim_tau_dartree_b16") >= 2
 
     mcfg = TrainConfig(data=str(data), out=str(tmp_path / "markov"), steps=10, anchors=6, block_size=5, markov_rank=8,
                        heldout_seqs=4, eval_every=10, save_every=10, tapped=[1, 2], init_drafter=str(tmp_path / "run" / "checkpoint"))

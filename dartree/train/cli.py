@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-DEFAULT_TAPPED = "1,7,14,21,27"
 
 
 def add_train_parser(sub) -> None:
@@ -13,7 +12,7 @@ def add_train_parser(sub) -> None:
         "train",
         help="train a drafter and its correction heads by self-distillation",
         description="Self-distillation on the target's own responses. Steps: `data` (the target writes responses, "
-        "stored as token-id shards with its tapped states), `drafter` (block drafter + Domino head with the "
+        "stored as token-id shards), `drafter` (block drafter + Domino head with the "
         "base-anchored curriculum), `markov` (Markov head on the frozen drafter). Each step resumes from its "
         "checkpoint when run again.",
     )
@@ -23,8 +22,11 @@ def add_train_parser(sub) -> None:
     data.add_argument("--target", help="target directory (default: bundled SmolLM2-135M-Instruct)")
     data.add_argument("--prompts", default="../shared/prompts", help="training prompts folder (default ../shared/prompts)")
     data.add_argument("--out", default="runs/data", help="shard folder (default runs/data)")
-    data.add_argument("--tapped", default=DEFAULT_TAPPED, help=f"target layers to tap (default {DEFAULT_TAPPED})")
-    data.add_argument("--num-prompts", type=int, default=1536)
+    data.add_argument("--num-prompts", type=int, default=None,
+                      help="generate for the first N prompts of the fixed shuffle (default: all of them); a larger N later extends the data")
+    data.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                      help="the target's dtype while generating; auto: bfloat16 where the CPU has native bf16 "
+                           "matrix instructions (avx512_bf16 / amx_bf16) or on a GPU, else float32 (measured ~1.8x faster on an AVX-512-BF16 EPYC)")
     data.add_argument("--batch-size", type=int, default=48)
     data.add_argument("--max-new-tokens", type=int, default=256)
     data.add_argument("--sample-fraction", type=float, default=0.25, help="share of shards sampled at T=1 (rest greedy)")
@@ -43,12 +45,14 @@ def _run_data(args) -> int:
 
     from ..default_model import default_target_dir
     from ..pipeline import load_target, load_tokenizer, resolve_device
+    from ..hardware import native_dtype
     from .data import generate_data
 
     target = Path(args.target) if args.target else default_target_dir()
-    model = load_target(target, torch.float32, resolve_device(args.device))
+    device = resolve_device(args.device)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype) or native_dtype(device)
+    model = load_target(target, dtype, device)
     tokenizer = load_tokenizer(target)
-    tapped = [int(x) for x in args.tapped.split(",")]
-    generate_data(model, tokenizer, tapped, args.prompts, args.out, args.num_prompts, args.batch_size,
+    generate_data(model, tokenizer, args.prompts, args.out, args.num_prompts, args.batch_size,
                   args.max_new_tokens, args.sample_fraction, args.seed, args.max_minutes)
     return 0

@@ -1,16 +1,17 @@
 """Training data: prompts from ../shared/prompts, responses written by the target itself.
 
-Responses are generated in batches (left-padded, one KV cache) with the target's tapped layers and
-its final normed state captured by forward hooks during generation, so no second forward is
-needed. Each batch becomes one shard (safetensors):
+Responses are generated in batches (left-padded, one preallocated KV cache). Each batch becomes one
+shard (safetensors) of token ids only, a few hundred KB per thousand sequences, so shards are small
+enough to commit and accumulate across sessions:
 
 - ``tokens`` int32 [sum L]: prompt + response of every sequence, concatenated;
-- ``offsets`` int64 [n+1], ``prompt_lens`` int32 [n];
-- ``features`` fp16 [sum (L-1), m*H]: tapped target states of positions 0..L-2 (the drafter context);
-- ``teacher`` fp16 [sum (L-1), H]: the target's final normed state there (its next-token logits
-  are ``lm_head(teacher)``, the distillation target).
+- ``offsets`` int64 [n+1], ``prompt_lens`` int32 [n].
 
-Shards are written atomically and skipped when present, so generation resumes where it stopped.
+The target's tapped states and its next-token distribution are recomputed from the ids at training
+time (one teacher-forced forward per sequence, ``target_features``), so a shard does not depend on the
+tapped layers or on the drafter's vocabulary. Shard k always holds the same prompts (one fixed
+shuffle), shards are written atomically and skipped when present: asking for more prompts later
+extends the data set, and an interrupted run resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -55,8 +56,6 @@ def training_prompts(prompts_dir: str | Path, seed: int = 0) -> list[str]:
 class Sequence:
     tokens: torch.Tensor  # [L] prompt + response
     prompt_len: int
-    features: torch.Tensor  # [L-1, m*H]
-    teacher: torch.Tensor  # [L-1, H]
 
 
 class _Capture:
@@ -79,7 +78,7 @@ class _Capture:
         feats = torch.cat([self.outputs[str(i)] for i in self.tapped], dim=-1)
         final = self.outputs["final"]
         self.outputs.clear()
-        return feats.to(torch.float16), final.to(torch.float16)
+        return feats, final
 
     def close(self):
         for h in self.hooks:
@@ -87,7 +86,23 @@ class _Capture:
 
 
 @torch.no_grad()
-def generate_batch(model, tapped: list[int], prompts: list[list[int]], max_new_tokens: int, temperature: float,
+def target_features(model, tapped: list[int], tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher-forced forward of one sequence [L]: tapped states [L, m*H] and final normed states [L, H].
+
+    Row i belongs to position i; the drafter context at an anchor a is rows < a, and the target's
+    next-token distribution after position i is lm_head(final[i]).
+    """
+    cap = _Capture(model, tapped)
+    try:
+        model.model(input_ids=tokens[None].to(next(model.parameters()).device), use_cache=False)
+        feats, final = cap.pop()
+    finally:
+        cap.close()
+    return feats[0], final[0]
+
+
+@torch.no_grad()
+def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, temperature: float,
                    stop_ids: set[int], pad_id: int, generator: torch.Generator) -> list[Sequence]:
     from transformers import StaticCache
 
@@ -99,45 +114,28 @@ def generate_batch(model, tapped: list[int], prompts: list[list[int]], max_new_t
         ids[i, width - len(p):] = torch.tensor(p, device=device)
         attn[i, width - len(p):] = 1
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    cap = _Capture(model, tapped)
-    try:
-        # Preallocated: a growing cache would copy every layer's K/V at every step.
-        cache = StaticCache(config=model.config, max_cache_len=width + max_new_tokens)
-        logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-        feats, finals = [], []
-        f, h = cap.pop()
-        feats.append(f)
-        finals.append(h)
-        responses = [[] for _ in range(n)]
-        done = torch.zeros(n, dtype=torch.bool, device=cpu)
-        for step in range(max_new_tokens):
-            if temperature > 0:  # sampled on the CPU with a CPU generator: the same data on any device
-                probs = (logits.float() / temperature).softmax(-1).cpu()
-                nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1).to(device)
-            else:
-                nxt = logits.argmax(-1)
-            picked = nxt.tolist()
-            for i in torch.nonzero(~done).flatten().tolist():
-                responses[i].append(picked[i])
-                if picked[i] in stop_ids:
-                    done[i] = True
-            if bool(done.all()) or step == max_new_tokens - 1:
-                break
-            attn = torch.cat([attn, torch.ones(n, 1, dtype=torch.long, device=device)], dim=1)
-            pos = pos[:, -1:] + 1
-            logits = model(input_ids=nxt[:, None], attention_mask=attn, position_ids=pos, cache=cache, use_cache=True).logits[:, -1]
-            f, h = cap.pop()
-            feats.append(f)
-            finals.append(h)
-    finally:
-        cap.close()
-    feats_all, finals_all = torch.cat(feats, dim=1).to(cpu), torch.cat(finals, dim=1).to(cpu)
-    out = []
-    for i, p in enumerate(prompts):
-        length = len(p) + len(responses[i])
-        rows = torch.arange(width - len(p), width - len(p) + length - 1, device=cpu)  # positions 0..L-2 of this sequence
-        out.append(Sequence(torch.tensor(p + responses[i], dtype=torch.int32, device=cpu), len(p), feats_all[i, rows], finals_all[i, rows]))
-    return out
+    # Preallocated: a growing cache would copy every layer's K/V at every step.
+    cache = StaticCache(config=model.config, max_cache_len=width + max_new_tokens)
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    responses = [[] for _ in range(n)]
+    done = torch.zeros(n, dtype=torch.bool, device=cpu)
+    for step in range(max_new_tokens):
+        if temperature > 0:  # sampled on the CPU with a CPU generator: the same data on any device
+            probs = (logits.float() / temperature).softmax(-1).cpu()
+            nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1).to(device)
+        else:
+            nxt = logits.argmax(-1)
+        picked = nxt.tolist()
+        for i in torch.nonzero(~done).flatten().tolist():
+            responses[i].append(picked[i])
+            if picked[i] in stop_ids:
+                done[i] = True
+        if bool(done.all()) or step == max_new_tokens - 1:
+            break
+        attn = torch.cat([attn, torch.ones(n, 1, dtype=torch.long, device=device)], dim=1)
+        pos = pos[:, -1:] + 1
+        logits = model(input_ids=nxt[:, None], attention_mask=attn, position_ids=pos, cache=cache, use_cache=True).logits[:, -1]
+    return [Sequence(torch.tensor(p + r, dtype=torch.int32), len(p)) for p, r in zip(prompts, responses)]
 
 
 def save_shard(path: Path, seqs: list[Sequence], meta: dict) -> None:
@@ -145,11 +143,9 @@ def save_shard(path: Path, seqs: list[Sequence], meta: dict) -> None:
 
     lengths = torch.tensor([s.tokens.numel() for s in seqs])
     tensors = {
-        "tokens": torch.cat([s.tokens for s in seqs]),
+        "tokens": torch.cat([s.tokens for s in seqs]).to(torch.int32),
         "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
         "prompt_lens": torch.tensor([s.prompt_len for s in seqs], dtype=torch.int32),
-        "features": torch.cat([s.features for s in seqs]).contiguous(),
-        "teacher": torch.cat([s.teacher for s in seqs]).contiguous(),
     }
     tmp = path.with_suffix(".partial")
     save_file(tensors, str(tmp), metadata={k: str(v) for k, v in meta.items()})
@@ -160,33 +156,37 @@ def load_shard(path: Path) -> list[Sequence]:
     from safetensors.torch import load_file
 
     t = load_file(str(path))
-    seqs, frow = [], 0
     offsets = t["offsets"].tolist()
-    for i in range(len(offsets) - 1):
-        a, b = offsets[i], offsets[i + 1]
-        n_feat = b - a - 1
-        seqs.append(Sequence(t["tokens"][a:b].long(), int(t["prompt_lens"][i]), t["features"][frow:frow + n_feat], t["teacher"][frow:frow + n_feat]))
-        frow += n_feat
-    return seqs
+    return [Sequence(t["tokens"][a:b].long(), int(n)) for a, b, n in zip(offsets, offsets[1:], t["prompt_lens"].tolist())]
 
 
-def generate_data(model, tokenizer, tapped: list[int], prompts_dir, out_dir, num_prompts: int, batch_size: int = 32,
+def load_all_shards(data_dir: str | Path, min_response: int = 2) -> list[Sequence]:
+    """Every sequence of every shard in ``data_dir`` (in shard order) with at least ``min_response`` new tokens."""
+    files = sorted(Path(data_dir).glob("shard-*.safetensors"))
+    if not files:
+        raise DartreeError(f"no shards in {data_dir}; run `dartree train data --out {data_dir}` first")
+    return [s for f in files for s in load_shard(f) if s.tokens.numel() - s.prompt_len >= min_response]
+
+
+def generate_data(model, tokenizer, prompts_dir, out_dir, num_prompts: int | None = None, batch_size: int = 48,
                   max_new_tokens: int = 256, sample_fraction: float = 0.25, seed: int = 0, max_minutes: float | None = None) -> None:
-    """Write shards of target-written responses until ``num_prompts`` are covered (resumable)."""
+    """Write shards of target-written responses until ``num_prompts`` (default: all) are covered (resumable)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    texts = training_prompts(prompts_dir, seed)[:num_prompts]
+    texts = training_prompts(prompts_dir, seed)
+    if num_prompts is not None:
+        texts = texts[:num_prompts]
     encoded = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True) for t in texts]
     encoded = [e["input_ids"] if hasattr(e, "keys") else e for e in encoded]
     encoded = [e[-512:] for e in encoded]  # keep prompts short enough for a CPU
     stop = {tokenizer.eos_token_id}
     shards = [encoded[i:i + batch_size] for i in range(0, len(encoded), batch_size)]
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     t0 = time.perf_counter()
-    bar = tqdm(range(len(shards)), desc="generating responses", unit="shard")
+    todo = [k for k in range(len(shards)) if not (out_dir / f"shard-{k:05d}.safetensors").exists()]
+    bar = tqdm(todo, desc=f"generating responses ({len(shards) - len(todo)} of {len(shards)} shards present)", unit="shard")
+    new_total = 0
     for k in bar:
-        path = out_dir / f"shard-{k:05d}.safetensors"
-        if path.exists():
-            continue
         if max_minutes is not None and time.perf_counter() - t0 > 60 * max_minutes:
             bar.write(f"stopping after {max_minutes} minutes; run again to resume at shard {k}")
             break
@@ -194,7 +194,11 @@ def generate_data(model, tokenizer, tapped: list[int], prompts_dir, out_dir, num
         gen = torch.Generator().manual_seed(seed * 1_000_003 + k)
         batch = sorted(shards[k], key=len)
         ts = time.perf_counter()
-        seqs = generate_batch(model, tapped, batch, max_new_tokens, temperature, stop, tokenizer.eos_token_id, gen)
+        seqs = generate_batch(model, batch, max_new_tokens, temperature, stop, tokenizer.eos_token_id, gen)
         new = sum(s.tokens.numel() - s.prompt_len for s in seqs)
-        save_shard(path, seqs, {"temperature": temperature, "tapped": tapped, "shard": k})
-        bar.set_postfix(tok_s=f"{new / (time.perf_counter() - ts):.0f}", T=temperature)
+        new_total += new
+        save_shard(out_dir / f"shard-{k:05d}.safetensors", seqs,
+                   {"temperature": temperature, "shard": k, "dtype": dtype, "max_new_tokens": max_new_tokens,
+                    "seconds": round(time.perf_counter() - ts, 1), "new_tokens": new})
+        bar.set_postfix(tok_s=f"{new / (time.perf_counter() - ts):.0f}", T=temperature,
+                        mean_tok_s=f"{new_total / (time.perf_counter() - t0):.0f}")

@@ -1,14 +1,22 @@
 """Drafter + correction-head training on target-written shards.
 
-One step packs every anchor of a sequence into one drafter forward: block j is
-[x_a, MASK, ..., MASK] at positions a..a+b-1; its queries see the fused target context at positions
-< a and their own block, never another block. With shifted labels, slot k predicts token a+k+1.
+Shards hold token ids only. For each training sequence the frozen target runs once, teacher-forced,
+and that one forward gives the drafter's context (the tapped states) and the distillation target
+(the target's next-token distribution) for every anchor of the sequence.
 
-Loss per supervised slot, weighted by exp(-k/gamma): distillation to the target's full next-token
-distribution (soft cross-entropy) plus a little hard-label cross-entropy. The Domino head is
-trained with the base-anchored curriculum: L = (1 - lam) L(corrected) + lam L(base), lam falling
-linearly from 1 to 0 over the first ``curriculum`` share of the steps. The Markov step trains only
-the Markov head on the frozen backbone. Checkpoints (weights, optimiser, step, RNG) let a run resume.
+One step packs the anchors of a sequence into one drafter forward: block j is [x_a, MASK, ..., MASK]
+at positions a..a+b-1; its queries see the fused target context at positions < a and their own
+block, never another block. With shifted labels, slot k predicts token a+k+1.
+
+The drafter has its own output layer over a reduced draft vocabulary (the V_d most frequent tokens of
+target-written text, started from the target's rows); teacher distributions are the target's logits
+restricted to those ids. Loss per supervised slot, weighted by exp(-k/gamma): distillation (soft
+cross-entropy) plus a little hard-label cross-entropy (labels outside the draft vocabulary carry no
+hard term). Both the corrected logits and the base logits are trained at every depth for the whole
+run: L = (1 - lam) L(corrected) + lam L(base), lam falling from 1 to ``base_weight`` over the first
+``curriculum`` share of the steps; the base logits are what ``dflash`` and every tree's top-K
+candidates come from. The Markov step trains only the Markov head on the frozen backbone.
+Checkpoints (weights in the export, optimiser and RNG in trainer.pt) let a run resume.
 """
 
 from __future__ import annotations
@@ -24,9 +32,10 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..drafter import DrafterConfig, DrafterModel, load_drafter, save_drafter
-from ..heads import MarkovHead
-from .data import Sequence, load_shard
+from ..drafter import DrafterConfig, DrafterModel, DraftOutput, load_drafter, save_drafter
+from ..errors import DartreeError
+from ..trees import DARTreeBuilder, TreeSettings
+from .data import Sequence, load_all_shards, target_features
 
 
 @dataclass
@@ -34,8 +43,9 @@ class TrainConfig:
     data: str = "runs/data"
     out: str = "runs/drafter"
     steps: int = 2000
-    seqs_per_step: int = 2
-    anchors: int = 24
+    seqs_per_step: int = 1
+    anchors: int = 64  # per sequence and step; every one comes from the same target forward
+    draft_vocab: int = 16384  # V_d; 0: the target's full output layer
     block_size: int = 16
     layers: int = 1
     gru: int = 256
@@ -45,30 +55,42 @@ class TrainConfig:
     warmup: float = 0.04
     gamma: float = 7.0
     hard_weight: float = 0.1  # share of hard-label CE next to the soft (distillation) CE
-    curriculum: float = 0.5
+    curriculum: float = 0.1
+    base_weight: float = 0.3  # lam never falls below this: the base logits stay trained at every depth
+    eval_tree_budget: int = 16  # simulated dartree tree tau on held-out anchors
     heldout_seqs: int = 12
     eval_every: int = 100
     save_every: int = 100
     max_minutes: float | None = None
     seed: int = 0
     device: str = "cpu"  # where the target and the drafter train; shards stay in CPU memory
-    init_from_target: bool = True
+    init_from_target: bool = False  # measured worse than random init at equal time
     init_drafter: str = "runs/drafter/checkpoint"  # markov step: the trained drafter whose backbone is kept
     tapped: list[int] = field(default_factory=lambda: [1, 7, 14, 21, 27])
 
 
-def load_all_shards(data_dir: str | Path) -> list[Sequence]:
-    files = sorted(Path(data_dir).glob("shard-*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no shards in {data_dir}; run `dartree train data` first")
-    seqs = []
-    for f in files:
-        seqs += [s for s in load_shard(f) if s.tokens.numel() - s.prompt_len >= 2]
-    return seqs
+def draft_vocabulary(seqs: list[Sequence], size: int, vocab_size: int) -> torch.Tensor:
+    """The ``size`` most frequent target ids of the responses (target-written text), sorted by id."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for s in seqs:
+        counts += torch.bincount(s.tokens[s.prompt_len:].long(), minlength=vocab_size)
+    order = torch.sort(counts, descending=True, stable=True).indices  # ties: the smaller id
+    return order[: min(size, vocab_size)].sort().values
 
 
-def new_drafter(target, cfg: TrainConfig, head: str | None) -> DrafterModel:
-    """A drafter shaped like the target's layers; optionally start from copies of its top layers."""
+def vocabulary_coverage(seqs: list[Sequence], vocab_size: int, sizes=(4096, 8192, 16384, 32768)) -> dict[int, float]:
+    """Share of response tokens inside the top-V_d vocabulary of the same sequences, per V_d."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for s in seqs:
+        counts += torch.bincount(s.tokens[s.prompt_len:].long(), minlength=vocab_size)
+    ranked = counts.sort(descending=True).values.cumsum(0).double() / counts.sum()
+    return {v: float(ranked[min(v, vocab_size) - 1]) for v in sizes}
+
+
+def new_drafter(target, cfg: TrainConfig, head: str | None, vocab: torch.Tensor | None = None) -> DrafterModel:
+    """A drafter shaped like the target's layers, randomly initialised (optionally from copies of the
+    target's top layers); with ``vocab`` (sorted target ids) its own output layer starts from the
+    target's rows of those ids."""
     t = target.config
     dcfg = DrafterConfig(
         hidden_size=t.hidden_size,
@@ -90,6 +112,7 @@ def new_drafter(target, cfg: TrainConfig, head: str | None) -> DrafterModel:
         emb_dim=cfg.rank,
         gru_hidden_dim=cfg.gru,
         markov_rank=cfg.markov_rank if head == "markov" else 0,
+        draft_vocab_size=None if vocab is None else int(vocab.numel()),
     )
     model = DrafterModel(dcfg)
     model.mask_embedding = torch.nn.Parameter(target.get_input_embeddings().weight.mean(0).detach().clone())
@@ -98,12 +121,15 @@ def new_drafter(target, cfg: TrainConfig, head: str | None) -> DrafterModel:
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
-            elif name != "mask_embedding":
+            elif name not in ("mask_embedding", "lm_head.weight"):
                 p.copy_(torch.randn(p.shape, generator=gen) * (1.0 / math.sqrt(p.shape[-1])))
         if head == "domino":
             model.head.embed_proj[2].weight.zero_()  # the correction starts as a no-op on the base logits
         if head == "markov":
             model.head.markov_w2.weight.zero_()
+        if vocab is not None:
+            model.lm_head.weight.copy_(target.get_output_embeddings().weight[vocab])
+            model.d2t.copy_(vocab - torch.arange(vocab.numel()))
         if cfg.init_from_target:
             src_layers = target.model.layers[-cfg.layers:]
             for mine, theirs in zip(model.layers, src_layers):
@@ -111,11 +137,6 @@ def new_drafter(target, cfg: TrainConfig, head: str | None) -> DrafterModel:
                 mine.load_state_dict(sd, strict=False)
             model.norm.weight.copy_(target.model.norm.weight)
     return model
-
-
-def to_device(seq: Sequence, device: torch.device) -> Sequence:
-    """The sequence's tensors on ``device`` (``Tensor.to`` returns them as they are when already there)."""
-    return Sequence(seq.tokens.to(device), seq.prompt_len, seq.features.to(device), seq.teacher.to(device))
 
 
 def block_batch(seq: Sequence, anchors: int, block: int, rng: random.Random):
@@ -133,11 +154,11 @@ def block_batch(seq: Sequence, anchors: int, block: int, rng: random.Random):
     return a, valid, labels, prev
 
 
-def drafter_outputs(model: DrafterModel, embed, seq: Sequence, a: torch.Tensor, block: int, dtype):
-    """Packed forward: hidden states [A, b, H] for all anchors of one sequence."""
-    n_ctx, dev = seq.features.shape[0], a.device
-    feats = seq.features.to(dtype)
-    emb = model.block_embeddings(embed, seq.tokens[a])
+def drafter_outputs(model: DrafterModel, embed, tokens: torch.Tensor, feats: torch.Tensor, a: torch.Tensor, block: int):
+    """Packed forward: hidden states [A, b, H] for all anchors of one sequence; feats [C, m*H] are the
+    tapped target states of positions 0..C-1."""
+    n_ctx, dev = feats.shape[0], a.device
+    emb = model.block_embeddings(embed, tokens[a])
     q = a.numel() * block
     block_pos = (a[:, None] + torch.arange(block, device=dev)[None, :]).reshape(-1)
     ctx_pos = torch.arange(n_ctx, device=dev)
@@ -151,19 +172,23 @@ def drafter_outputs(model: DrafterModel, embed, seq: Sequence, a: torch.Tensor, 
 
 
 def block_loss(logits, teacher_logp, labels, weights, hard_weight):
-    """Weighted soft + hard cross-entropy over valid slots. logits [N, V], weights [N]."""
+    """Weighted soft + hard cross-entropy over valid slots. logits [N, V_d], labels [N] draft ids
+    (-1: outside the draft vocabulary, no hard term), weights [N]."""
     logp = logits.float().log_softmax(-1)
     soft = -(teacher_logp.exp() * logp).sum(-1)
-    hard = -logp.gather(-1, labels[:, None]).squeeze(-1)
+    hard = -logp.gather(-1, labels.clamp(min=0)[:, None]).squeeze(-1) * (labels >= 0)
     per = (1 - hard_weight) * soft + hard_weight * hard
     return (per * weights).sum() / weights.sum()
 
 
-def acceptance(logits_blocks, labels, valid):
-    """Simulated chain acceptance: leading slots whose argmax equals the target's token, plus the bonus."""
-    hit = (logits_blocks.argmax(-1) == labels) & valid
-    run = hit.long().cumprod(dim=1).sum(dim=1)
-    return (run + 1).float().mean().item()
+def chain_hits(logits_blocks, to_target, labels, valid):
+    """[A, b] bool: the slot's argmax (as a target id) is the target's token."""
+    return (to_target(logits_blocks.argmax(-1)) == labels) & valid
+
+
+def chain_tau(hits: torch.Tensor) -> float:
+    """Simulated chain acceptance: leading hits plus the bonus, averaged over anchors."""
+    return (hits.long().cumprod(dim=1).sum(dim=1) + 1).float().mean().item()
 
 
 class Trainer:
@@ -177,14 +202,23 @@ class Trainer:
         self.lm_head = target.get_output_embeddings()
         for p in target.parameters():
             p.requires_grad_(False)
+        n_layers = target.config.num_hidden_layers
+        bad = [i for i in cfg.tapped if not 0 <= i < n_layers]
+        if bad:
+            raise DartreeError(f"tapped layers {bad} are out of range for a target with {n_layers} layers (0..{n_layers - 1})")
         seqs = load_all_shards(cfg.data)
-        want = len(cfg.tapped) * target.config.hidden_size
-        if seqs[0].features.shape[1] != want:
-            raise ValueError(f"shards hold {seqs[0].features.shape[1]} feature columns but {len(cfg.tapped)} tapped layers "
-                             f"of width {target.config.hidden_size} need {want}; pass the tapped layers used for the data")
+        if len(seqs) <= cfg.heldout_seqs:
+            raise DartreeError(f"{cfg.data} holds {len(seqs)} usable sequences; training needs more than the "
+                               f"{cfg.heldout_seqs} held out for evaluation")
         rng = random.Random(cfg.seed)
-        rng.shuffle(seqs)
-        self.heldout, self.train_seqs = seqs[: cfg.heldout_seqs], seqs[cfg.heldout_seqs:]
+        order = list(range(len(seqs)))
+        rng.shuffle(order)
+        # Held-out sequences are chosen among the first shards only, so that data added in later
+        # sessions never moves a held-out sequence into training (or the reverse).
+        first = sorted(order[: cfg.heldout_seqs])
+        self.heldout = [seqs[i] for i in first]
+        held = set(first)
+        self.train_seqs = [seqs[i] for i in range(len(seqs)) if i not in held]
         self.rng = random.Random(cfg.seed + 1)
         ckpt = self.out / "checkpoint"
         if (ckpt / "config.json").is_file():
@@ -196,16 +230,20 @@ class Trainer:
             self.step = 0
             if stage == "markov":
                 base = load_drafter(cfg.init_drafter)
-                self.model = new_drafter(target, cfg, "markov")
+                vocab = None if base.d2t is None else base.draft_to_target(torch.arange(base.config.output_vocab_size))
+                self.model = new_drafter(target, cfg, "markov", vocab)
                 own = self.model.state_dict()
                 own.update({k: v for k, v in base.state_dict().items() if not k.startswith("head.")})
                 self.model.load_state_dict(own)
             else:
-                self.model = new_drafter(target, cfg, "domino")
+                vocab = draft_vocabulary(self.train_seqs, cfg.draft_vocab, target.config.vocab_size) if cfg.draft_vocab else None
+                self.model = new_drafter(target, cfg, "domino", vocab)
             state = None
         self.model.to(self.device).train()
+        self.vocab_ids = self.model.draft_to_target(torch.arange(self.model.config.output_vocab_size, device=self.device))
+        self.to_draft = self.model.target_to_draft(target.config.vocab_size)
         if self.model.head is not None:
-            self.model.head.bind(self.embed)
+            self.model.head.bind(self.embed, self.model.d2t)
         if stage == "markov":
             for name, p in self.model.named_parameters():
                 p.requires_grad_(name.startswith("head."))
@@ -226,39 +264,75 @@ class Trainer:
         if self.stage == "markov":
             return 0.0
         span = self.cfg.curriculum * self.cfg.steps
-        return max(0.0, 1.0 - step / span) if span > 0 else 0.0
+        ramp = max(0.0, 1.0 - step / span) if span > 0 else 0.0
+        return max(self.cfg.base_weight, ramp)
 
-    def sequence_losses(self, seq: Sequence, rng, grad: bool, need_base: bool = True):
+    def features(self, seq: Sequence):
+        """The target's tapped states and teacher log-probabilities (over the draft vocabulary) of
+        positions 0..L-2 of one sequence: one teacher-forced forward feeds every anchor."""
+        tokens = seq.tokens.to(self.device)
+        feats, final = target_features(self.target, self.cfg.tapped, tokens)
+        with torch.no_grad():
+            teacher = (final[:-1].float() @ self.lm_head.weight[self.vocab_ids].float().T).log_softmax(-1)
+        return tokens, feats[:-1].float(), teacher
+
+    def sequence_losses(self, seq: Sequence, rng, grad: bool, prepared=None):
         cfg = self.cfg
-        seq = to_device(seq, self.device)
-        a, valid, labels, prev = block_batch(seq, cfg.anchors, cfg.block_size, rng)
+        tokens, feats, teacher = prepared or self.features(seq)
+        a, valid, labels, prev = block_batch(Sequence(tokens, seq.prompt_len), cfg.anchors, cfg.block_size, rng)
         ctx = torch.enable_grad() if grad and self.stage != "markov" else torch.no_grad()
         with ctx:
-            hidden = drafter_outputs(self.model, self.embed, seq, a, cfg.block_size, torch.float32)
-        base = self.lm_head(hidden)
+            hidden = drafter_outputs(self.model, self.embed, tokens, feats, a, cfg.block_size)
+            base = self.model.lm_head(hidden) if self.model.lm_head is not None else self.lm_head(hidden)
         with torch.enable_grad() if grad else torch.no_grad():
             final = self.model.head.block_logits(hidden, base, prev)
-        tpos = (a[:, None] + torch.arange(cfg.block_size, device=a.device)[None, :]).clamp(max=seq.teacher.shape[0] - 1)
-        with torch.no_grad():
-            teacher_logp = self.lm_head(seq.teacher[tpos[valid]].float()).log_softmax(-1)
+        tpos = (a[:, None] + torch.arange(cfg.block_size, device=a.device)[None, :]).clamp(max=teacher.shape[0] - 1)
+        teacher_logp = teacher[tpos[valid]]
         w = torch.exp(-torch.arange(cfg.block_size, dtype=torch.float32, device=a.device) / cfg.gamma)[None, :].expand_as(valid)[valid]
-        lab = labels[valid]
+        lab = self.to_draft[labels[valid]]
         l_final = block_loss(final[valid], teacher_logp, lab, w, cfg.hard_weight)
-        # the base term costs a full-vocabulary softmax: skip it once the curriculum weight is 0
-        use_base = need_base and self.stage != "markov"
-        l_base = block_loss(base[valid], teacher_logp, lab, w, cfg.hard_weight) if use_base else l_final * 0
-        return l_final, l_base, base.detach(), final.detach(), labels, valid
+        l_base = block_loss(base[valid], teacher_logp, lab, w, cfg.hard_weight) if self.stage != "markov" else l_final * 0
+        return l_final, l_base, hidden.detach(), base.detach(), final.detach(), a, labels, valid
 
     @torch.no_grad()
     def evaluate(self):
+        """Held-out: loss, per-depth top-1 (base and corrected), simulated chain tau (base and
+        corrected) and the simulated tau of a real ``dartree`` tree (budget ``eval_tree_budget``)."""
         rng = random.Random(12345)
-        acc_b, acc_f, lf = [], [], []
+        builder = DARTreeBuilder(TreeSettings(budget=self.cfg.eval_tree_budget))
+        to_target = self.model.draft_to_target
+        hits_b, hits_f, valids, losses, tree_tau = [], [], [], [], []
         for seq in self.heldout:
-            l_final, _, base, final, labels, valid = self.sequence_losses(seq, rng, grad=False, need_base=False)
-            acc_b.append(acceptance(base, labels, valid))
-            acc_f.append(acceptance(final, labels, valid))
-            lf.append(l_final.item())
-        return {"heldout_loss": sum(lf) / len(lf), "sim_tau_base": sum(acc_b) / len(acc_b), "sim_tau_corrected": sum(acc_f) / len(acc_f)}
+            l_final, _, hidden, base, final, a, labels, valid = self.sequence_losses(seq, rng, grad=False)
+            hits_b.append(chain_hits(base, to_target, labels, valid))
+            hits_f.append(chain_hits(final, to_target, labels, valid))
+            valids.append(valid)
+            losses.append(l_final.item())
+            if self.model.head is not None and self.stage == "drafter":
+                tree_tau += [self._tree_acceptance(builder, int(seq.tokens[int(anchor)]), hidden[j], base[j], labels[j], valid[j])
+                             for j, anchor in enumerate(a.tolist())]
+        hb, hf, v = torch.cat(hits_b), torch.cat(hits_f), torch.cat(valids)
+        per_depth = lambda h: [round(x, 4) for x in (h.sum(0) / v.sum(0).clamp(min=1)).tolist()]  # noqa: E731
+        out = {"heldout_loss": sum(losses) / len(losses), "sim_tau_base": chain_tau(hb), "sim_tau_corrected": chain_tau(hf),
+               "top1_base": per_depth(hb), "top1_corrected": per_depth(hf)}
+        if tree_tau:
+            out[f"sim_tau_dartree_b{self.cfg.eval_tree_budget}"] = sum(tree_tau) / len(tree_tau)
+        return out
+
+    def _tree_acceptance(self, builder, bonus, hidden, base, labels, valid) -> int:
+        """Accepted length (bonus included) of the target's own continuation in a dartree tree."""
+        draft = DraftOutput(bonus=bonus, hidden=hidden, base_logits=base, d2t=self.model.d2t)
+        tree = builder.propose(draft, self.model.head)
+        children: dict[tuple[int, int], int] = {}
+        for row, (tok, parent) in enumerate(zip(tree.tokens.tolist(), tree.parents.tolist()), start=1):
+            children[(parent, tok)] = row
+        node, accepted = 0, 1
+        for k in range(labels.numel()):
+            if not bool(valid[k]) or (node, int(labels[k])) not in children:
+                break
+            node = children[(node, int(labels[k]))]
+            accepted += 1
+        return accepted
 
     def save(self):
         ckpt = self.out / "checkpoint"
@@ -281,7 +355,7 @@ class Trainer:
             total = 0.0
             for _ in range(cfg.seqs_per_step):
                 seq = self.train_seqs[self.rng.randrange(len(self.train_seqs))]
-                l_final, l_base, *_ = self.sequence_losses(seq, self.rng, grad=True, need_base=lam > 0)
+                l_final, l_base, *_ = self.sequence_losses(seq, self.rng, grad=True)
                 loss = ((1 - lam) * l_final + lam * l_base) / cfg.seqs_per_step
                 loss.backward()
                 total += loss.item()
@@ -320,7 +394,11 @@ def add_drafter_args(steps) -> None:
         p.add_argument("--out", default=f"runs/{name}")
         p.add_argument("--steps", type=int, default=TrainConfig.steps)
         p.add_argument("--seqs-per-step", type=int, default=TrainConfig.seqs_per_step)
-        p.add_argument("--anchors", type=int, default=TrainConfig.anchors)
+        p.add_argument("--anchors", type=int, default=TrainConfig.anchors, help="anchors per sequence and step (all from one target forward)")
+        p.add_argument("--draft-vocab", type=int, default=TrainConfig.draft_vocab,
+                       help="reduced draft vocabulary V_d: the most frequent target-written tokens (0: the target's whole vocabulary)")
+        p.add_argument("--base-weight", type=float, default=TrainConfig.base_weight, help="weight of the base-logit loss after the curriculum")
+        p.add_argument("--tapped", default=",".join(map(str, TrainConfig().tapped)), help="target layers the drafter reads")
         p.add_argument("--layers", type=int, default=TrainConfig.layers)
         p.add_argument("--gru", type=int, default=TrainConfig.gru)
         p.add_argument("--rank", type=int, default=TrainConfig.rank)
@@ -343,6 +421,7 @@ def _run_train(args) -> int:
     device = resolve_device(args.device)
     target = load_target(Path(args.target) if args.target else default_target_dir(), torch.float32, device)
     cfg = TrainConfig(data=args.data, out=args.out, steps=args.steps, seqs_per_step=args.seqs_per_step, anchors=args.anchors,
+                      draft_vocab=args.draft_vocab, base_weight=args.base_weight, tapped=[int(x) for x in args.tapped.split(",")],
                       layers=args.layers, gru=args.gru, rank=args.rank, markov_rank=args.markov_rank, lr=args.lr,
                       eval_every=args.eval_every, save_every=args.eval_every, max_minutes=args.max_minutes,
                       device=str(device))

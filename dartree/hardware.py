@@ -1,0 +1,64 @@
+"""What the machine offers: CPU model and flags, native bf16 matrix instructions, physical cores."""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")  # native bf16 dot products (Intel AMX, AVX-512 BF16 on Intel/AMD)
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_info() -> tuple[str, frozenset[str]]:
+    """(model name, flags) from /proc/cpuinfo; ("unknown", {}) where it cannot be read."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "unknown", frozenset()
+    model, flags = "unknown", frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and model == "unknown":
+            model = value.strip()
+        elif key == "flags" and not flags:
+            flags = frozenset(value.split())
+    return model, flags
+
+
+def has_native_bf16() -> bool:
+    return any(f in cpu_info()[1] for f in BF16_CPU_FLAGS)
+
+
+def native_dtype(device: torch.device | str) -> torch.dtype:
+    """bfloat16 on a GPU or on a CPU with native bf16 matrix instructions, else float32."""
+    device = torch.device(device)
+    if device.type == "cuda" or (device.type == "cpu" and has_native_bf16()):
+        return torch.bfloat16
+    return torch.float32
+
+
+def physical_cores() -> int:
+    """Cores without SMT siblings (what a compute-bound forward can use), at least 1."""
+    try:
+        seen = set()
+        for cpu in Path("/sys/devices/system/cpu").glob("cpu[0-9]*/topology"):
+            if (cpu / "core_id").is_file():
+                seen.add(((cpu / "physical_package_id").read_text().strip(), (cpu / "core_id").read_text().strip()))
+        allowed = len(os.sched_getaffinity(0))
+        if seen:
+            return max(1, min(len(seen), allowed))
+        return max(1, allowed)
+    except (OSError, AttributeError):
+        return max(1, os.cpu_count() or 1)
+
+
+def describe_machine() -> str:
+    """One line to record beside every timing: CPU model and the flags that decide kernel choice."""
+    model, flags = cpu_info()
+    keep = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
+    return f"{model}; flags: {' '.join(keep) or 'none of avx2/avx512/amx'}; {physical_cores()} physical cores"
