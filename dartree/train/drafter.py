@@ -171,11 +171,12 @@ def drafter_outputs(model: DrafterModel, embed, tokens: torch.Tensor, feats: tor
     return hidden.reshape(a.numel(), block, -1)
 
 
-def block_loss(logits, teacher_logp, labels, weights, hard_weight):
-    """Weighted soft + hard cross-entropy over valid slots. logits [N, V_d], labels [N] draft ids
-    (-1: outside the draft vocabulary, no hard term), weights [N]."""
+def block_loss(logits, teacher_p, labels, weights, hard_weight):
+    """Weighted soft + hard cross-entropy over slots. logits [N, V_d], teacher_p [N, V_d] the teacher's
+    probabilities, labels [N] draft ids (-1: outside the draft vocabulary, no hard term), weights [N]
+    (0 for slots that supervise nothing)."""
     logp = logits.float().log_softmax(-1)
-    soft = -(teacher_logp.exp() * logp).sum(-1)
+    soft = -(teacher_p * logp).sum(-1)
     hard = -logp.gather(-1, labels.clamp(min=0)[:, None]).squeeze(-1) * (labels >= 0)
     per = (1 - hard_weight) * soft + hard_weight * hard
     return (per * weights).sum() / weights.sum()
@@ -198,10 +199,12 @@ class Trainer:
         self.target = target.to(self.device)
         self.out = Path(cfg.out)
         self.out.mkdir(parents=True, exist_ok=True)
-        self.embed = target.get_input_embeddings()
-        self.lm_head = target.get_output_embeddings()
         for p in target.parameters():
             p.requires_grad_(False)
+        # The drafter trains in fp32 whatever the target's dtype (a bf16 target only computes the
+        # features faster): fp32 copies of the frozen embedding and output layer it borrows.
+        self.embed = torch.nn.Embedding.from_pretrained(target.get_input_embeddings().weight.float(), freeze=True)
+        self.out_weight = target.get_output_embeddings().weight.float()
         n_layers = target.config.num_hidden_layers
         bad = [i for i in cfg.tapped if not 0 <= i < n_layers]
         if bad:
@@ -210,14 +213,10 @@ class Trainer:
         if len(seqs) <= cfg.heldout_seqs:
             raise DartreeError(f"{cfg.data} holds {len(seqs)} usable sequences; training needs more than the "
                                f"{cfg.heldout_seqs} held out for evaluation")
-        rng = random.Random(cfg.seed)
-        order = list(range(len(seqs)))
-        rng.shuffle(order)
-        # Held-out sequences are chosen among the first shards only, so that data added in later
-        # sessions never moves a held-out sequence into training (or the reverse).
-        first = sorted(order[: cfg.heldout_seqs])
-        self.heldout = [seqs[i] for i in first]
-        held = set(first)
+        # Held-out sequences are drawn from the first 256 only (the first shards), so that data added
+        # in later sessions never moves a held-out sequence into training or the reverse.
+        held = set(random.Random(cfg.seed).sample(range(min(len(seqs), 256)), min(cfg.heldout_seqs, len(seqs) - 1)))
+        self.heldout = [seqs[i] for i in sorted(held)]
         self.train_seqs = [seqs[i] for i in range(len(seqs)) if i not in held]
         self.rng = random.Random(cfg.seed + 1)
         ckpt = self.out / "checkpoint"
@@ -241,6 +240,7 @@ class Trainer:
             state = None
         self.model.to(self.device).train()
         self.vocab_ids = self.model.draft_to_target(torch.arange(self.model.config.output_vocab_size, device=self.device))
+        self.teacher_rows = self.out_weight[self.vocab_ids]  # the target's logits restricted to the draft vocabulary
         self.to_draft = self.model.target_to_draft(target.config.vocab_size)
         if self.model.head is not None:
             self.model.head.bind(self.embed, self.model.d2t)
@@ -273,7 +273,7 @@ class Trainer:
         tokens = seq.tokens.to(self.device)
         feats, final = target_features(self.target, self.cfg.tapped, tokens)
         with torch.no_grad():
-            teacher = (final[:-1].float() @ self.lm_head.weight[self.vocab_ids].float().T).log_softmax(-1)
+            teacher = (final[:-1].float() @ self.teacher_rows.T).log_softmax(-1)
         return tokens, feats[:-1].float(), teacher
 
     def sequence_losses(self, seq: Sequence, rng, grad: bool, prepared=None):
@@ -283,15 +283,19 @@ class Trainer:
         ctx = torch.enable_grad() if grad and self.stage != "markov" else torch.no_grad()
         with ctx:
             hidden = drafter_outputs(self.model, self.embed, tokens, feats, a, cfg.block_size)
-            base = self.model.lm_head(hidden) if self.model.lm_head is not None else self.lm_head(hidden)
+            base = self.model.lm_head(hidden) if self.model.lm_head is not None else hidden @ self.out_weight.T
         with torch.enable_grad() if grad else torch.no_grad():
             final = self.model.head.block_logits(hidden, base, prev)
         tpos = (a[:, None] + torch.arange(cfg.block_size, device=a.device)[None, :]).clamp(max=teacher.shape[0] - 1)
-        teacher_logp = teacher[tpos[valid]]
-        w = torch.exp(-torch.arange(cfg.block_size, dtype=torch.float32, device=a.device) / cfg.gamma)[None, :].expand_as(valid)[valid]
-        lab = self.to_draft[labels[valid]]
-        l_final = block_loss(final[valid], teacher_logp, lab, w, cfg.hard_weight)
-        l_base = block_loss(base[valid], teacher_logp, lab, w, cfg.hard_weight) if self.stage != "markov" else l_final * 0
+        # Every slot goes through the loss (invalid ones, past the sequence's end, with weight 0):
+        # indexing the [A, b, V] logits by a mask would cost a zero-filled copy in the backward pass.
+        teacher_p = teacher[tpos.flatten()].exp()
+        decay = torch.exp(-torch.arange(cfg.block_size, dtype=torch.float32, device=a.device) / cfg.gamma)
+        w = (decay[None, :] * valid).flatten()
+        lab = self.to_draft[labels.flatten()]
+        flat = lambda x: x.reshape(-1, x.shape[-1])  # noqa: E731
+        l_final = block_loss(flat(final), teacher_p, lab, w, cfg.hard_weight)
+        l_base = block_loss(flat(base), teacher_p, lab, w, cfg.hard_weight) if self.stage != "markov" else l_final * 0
         return l_final, l_base, hidden.detach(), base.detach(), final.detach(), a, labels, valid
 
     @torch.no_grad()
