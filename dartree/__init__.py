@@ -3,8 +3,9 @@
 from .decoding import GenerationStats
 from .errors import CheckpointError, DartreeError
 from .pipeline import GenerationResult, Pipeline, load
-from .trees import METHODS
+from .settings import GenerationSettings
+from .trees import METHODS, TreeSettings
 
 __version__ = "0.1.0"
 
-__all__ = ["load", "Pipeline", "GenerationResult", "GenerationStats", "METHODS", "DartreeError", "CheckpointError"]
+__all__ = ["load", "Pipeline", "GenerationResult", "GenerationStats", "METHODS", "GenerationSettings", "TreeSettings", "DartreeError", "CheckpointError"]

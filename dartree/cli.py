@@ -7,7 +7,8 @@ import json
 import sys
 
 from .errors import DartreeError
-from .trees import METHODS
+from .settings import DEFAULT_METHOD, GenerationSettings
+from .trees import METHODS, TreeSettings
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -18,11 +19,23 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_tree_args(p: argparse.ArgumentParser) -> None:
+    """--budget/--width/--top-k/--beta, with the defaults and help of ``TreeSettings`` and the methods
+    that read each one taken from the registry."""
+    from .trees import BUILDERS
+
     g = p.add_argument_group("tree settings")
-    g.add_argument("--budget", "-B", type=int, default=64, help="tree nodes verified per round, root excluded (default 64; 16-32 suit a CPU)")
-    g.add_argument("--width", "-W", type=int, default=12, help="dartree: branches kept per depth (default 12)")
-    g.add_argument("--top-k", "-K", type=int, default=64, help="dartree/heap: candidate tokens per depth (default 64)")
-    g.add_argument("--beta", type=float, default=-0.2, help="dartree/heap: depth bonus of the final top-B, must be <= 0 (default -0.2)")
+    defaults = TreeSettings()
+    flags = {"budget": ("--budget", "-B"), "width": ("--width", "-W"), "top_k": ("--top-k", "-K"), "beta": ("--beta",)}
+    for name, names in flags.items():
+        readers = ", ".join(m for m, b in BUILDERS.items() if name in b.reads)
+        default = getattr(defaults, name)
+        g.add_argument(*names, dest=name, type=type(default), default=default,
+                       help=f"{TreeSettings.HELP[name]} ({readers}; default {default})")
+
+
+def tree_settings(args) -> TreeSettings:
+    """The validated TreeSettings of parsed --budget/--width/--top-k/--beta."""
+    return TreeSettings(budget=args.budget, width=args.width, top_k=args.top_k, beta=args.beta).validate()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,12 +53,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("prompt", help="the user message (wrapped in the chat template when the tokenizer has one)")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template; feed the prompt text as is")
-    gen.add_argument("--method", "-m", default="dartree", choices=METHODS, help="decoding method (default dartree)")
-    gen.add_argument("--max-new-tokens", "-n", type=int, default=256, help="most tokens to generate (default 256)")
-    gen.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    defaults = GenerationSettings()
+    gen.add_argument("--method", "-m", default=DEFAULT_METHOD, choices=METHODS, metavar="METHOD",
+                     help=f"decoding method, one of {', '.join(METHODS)} (default {DEFAULT_METHOD})")
+    gen.add_argument("--max-new-tokens", "-n", type=int, default=defaults.max_new_tokens,
+                     help=f"most tokens to generate (default {defaults.max_new_tokens})")
+    gen.add_argument("--temperature", "-t", type=float, default=defaults.temperature, help="0 = greedy (default); > 0 samples")
     gen.add_argument("--top-p", type=float, default=None, help="nucleus sampling on the target (temperature > 0)")
     gen.add_argument("--sampling-top-k", type=int, default=None, help="top-k sampling on the target (temperature > 0)")
-    gen.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    gen.add_argument("--seed", type=int, default=defaults.seed, help=f"random seed (default {defaults.seed})")
     gen.add_argument("--json", action="store_true", help="print a machine-readable JSON result")
     _add_model_args(gen)
     _add_tree_args(gen)
@@ -80,12 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
 def _run_generate(args) -> int:
     import dartree
 
-    pipe = dartree.load(args.target, args.drafter, dtype=args.dtype, device=args.device)
-    kwargs = dict(
+    # Every setting is checked before the model loads (which takes seconds).
+    settings = GenerationSettings(
         method=args.method, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
-        budget=args.budget, width=args.width, top_k=args.top_k, beta=args.beta,
-        sampling_top_k=args.sampling_top_k, top_p=args.top_p,
-    )
+        sampling_top_k=args.sampling_top_k, top_p=args.top_p, tree=tree_settings(args),
+    ).validate()
+    if not args.prompt.strip():
+        raise DartreeError("the prompt is empty; give some text")
+    pipe = dartree.load(args.target, args.drafter, dtype=args.dtype, device=args.device)
+    kwargs = dict(settings=settings)
     streaming = not args.json and pipe.tokenizer is not None
     if streaming:  # print the text as each round is verified
         from transformers import TextStreamer
@@ -95,8 +114,6 @@ def _run_generate(args) -> int:
         if pipe.tokenizer is None:
             raise DartreeError("this target has no tokenizer")
         ids = pipe.tokenizer(args.prompt)["input_ids"]
-        if not args.prompt.strip():
-            raise DartreeError("the prompt is empty; give some text")
         result = pipe.generate(input_ids=ids, **kwargs)
     else:
         result = pipe.generate(args.prompt, **kwargs)
@@ -119,10 +136,9 @@ def _run_bench_tree(args) -> int:
     import torch
     from tqdm import tqdm
 
-    from .bench_tree import format_table, time_tree_builders
-    from .trees import TreeSettings
+    from .bench.tree_timing import format_table, time_tree_builders
 
-    TreeSettings(budget=args.budget, width=args.width, top_k=args.top_k, beta=args.beta).validate()
+    settings = tree_settings(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
@@ -137,11 +153,10 @@ def _run_bench_tree(args) -> int:
     rows = []
     for head in heads:
         for hidden, vocab in tqdm(sizes, desc=f"bench-tree ({head})", file=sys.stderr):
-            rows.append(time_tree_builders(hidden, vocab, head, depths=args.depths, budget=args.budget, width=args.width,
-                                           top_k=args.top_k, beta=args.beta, gru=args.gru, rank=args.rank,
+            rows.append(time_tree_builders(hidden, vocab, head, settings, depths=args.depths, gru=args.gru, rank=args.rank,
                                            rounds=args.rounds, logit_scale=args.logit_scale))
-    table = format_table(rows, dict(depths=args.depths, top_k=args.top_k, width=args.width, budget=args.budget,
-                                    beta=args.beta, gru=args.gru, rank=args.rank, rounds=args.rounds,
+    table = format_table(rows, dict(depths=args.depths, top_k=settings.top_k, width=settings.width, budget=settings.budget,
+                                    beta=settings.beta, gru=args.gru, rank=args.rank, rounds=args.rounds,
                                     logit_scale=args.logit_scale))
     print(table)
     if args.out:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,9 +11,9 @@ import torch
 from .decoding import GenerationStats, decode
 from .drafter import DraftProposer, DrafterModel, load_drafter
 from .errors import CheckpointError, DartreeError, require
+from .settings import GenerationSettings
 from .target import TargetAdapter, check_context_length
-from .trees import METHODS, TreeSettings, make_builder
-from .verify import Sampler
+from .trees import available_methods
 
 
 @dataclass
@@ -106,11 +105,7 @@ class Pipeline:
 
     @property
     def methods(self) -> tuple[str, ...]:
-        if self.drafter is None:
-            return ("ar",)
-        if self.head is None:
-            return ("ar", "dflash", "ddtree")
-        return METHODS
+        return available_methods(self.drafter is not None, self.head is not None)
 
     # ------------------------------------------------------------- inputs
     def encode(self, prompt=None, messages=None, input_ids=None) -> torch.Tensor:
@@ -159,45 +154,48 @@ class Pipeline:
         *,
         messages: list[dict] | None = None,
         input_ids=None,
-        method: str = "dartree",
-        max_new_tokens: int = 256,
-        temperature: float = 0.0,
-        seed: int | None = 0,
-        budget: int = 64,
-        width: int = 12,
-        top_k: int = 64,
-        beta: float = -0.2,
+        settings: GenerationSettings | None = None,
+        method: str | None = None,
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        seed: int | None = None,
+        budget: int | None = None,
+        width: int | None = None,
+        top_k: int | None = None,
+        beta: float | None = None,
         sampling_top_k: int | None = None,
         top_p: float | None = None,
         stop_token_ids: list[int] | None = None,
         streamer=None,
     ) -> GenerationResult:
-        """Generate with one method. ``top_k`` is DARTree's K (candidates per depth); sampling uses
-        ``sampling_top_k`` / ``top_p`` on the target's distribution (temperature > 0 only).
+        """Generate with one method.
+
+        ``settings`` (a ``GenerationSettings``, default: the defaults) holds the method, tree and
+        sampling settings; any keyword given here replaces its field (None keeps it). ``top_k`` is
+        DARTree's K (candidates per depth); sampling uses ``sampling_top_k`` / ``top_p`` on the
+        target's distribution (temperature > 0 only).
 
         ``streamer``: a Hugging Face-style streamer (``put(tensor)``, ``end()``), e.g.
         ``transformers.TextStreamer(pipe.tokenizer, skip_prompt=True)``. As in HF ``generate`` it gets
         the prompt first, then each round's verified tokens as soon as the round ends."""
-        require(method in METHODS, f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
+        settings = GenerationSettings.from_kwargs(
+            settings, method=method, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, budget=budget,
+            width=width, top_k=top_k, beta=beta, sampling_top_k=sampling_top_k, top_p=top_p,
+        ).validate()
         require(
-            method in self.methods,
-            f"method {method!r} needs a drafter{' with a correction head' if self.drafter else ''}; "
+            settings.method in self.methods,
+            f"method {settings.method!r} needs a drafter{' with a correction head' if self.drafter else ''}; "
             f"this pipeline supports: {', '.join(self.methods)}",
         )
-        require(
-            isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool) and max_new_tokens >= 1,
-            f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}",
-        )
-        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
-            raise DartreeError(f"temperature must be a finite number >= 0, got {temperature!r}")
-        sampler = Sampler(temperature, sampling_top_k, top_p, seed, device=self.device)
-        builder = make_builder(method, TreeSettings(budget=budget, width=width, top_k=top_k, beta=beta))
+        max_new_tokens = settings.max_new_tokens
+        sampler = settings.sampler(self.device)
+        builder = settings.builder()
         ids = self.encode(prompt, messages, input_ids)
         block = self.drafter.config.block_size if self.drafter is not None else 1
         check_context_length(self.model.config, ids.numel(), max_new_tokens, block)
         stop = set(stop_token_ids) if stop_token_ids is not None else self.default_stop_ids()
-        if seed is not None:
-            torch.manual_seed(seed)
+        if settings.seed is not None:
+            torch.manual_seed(settings.seed)
         on_tokens = None
         if streamer is not None:
             require(callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None)),

@@ -16,9 +16,6 @@ import torch
 from .errors import DartreeError
 from .heads import CorrectionHead
 
-METHODS = ("ar", "dflash", "ddtree", "domino", "domino-ddtree", "heap", "dartree", "dartree-fixed")
-HEAD_METHODS = ("domino", "domino-ddtree", "heap", "dartree", "dartree-fixed")
-
 
 @dataclass
 class DraftTree:
@@ -54,14 +51,24 @@ class DraftTree:
         return cls(mk(tokens), mk(parents), mk(depths))
 
 
-@dataclass
+@dataclass(frozen=True)
 class TreeSettings:
+    """The tree settings and their defaults (the paper's), in one place; each builder declares which
+    of them it reads (``TreeBuilder.reads``)."""
+
     budget: int = 64  # B: tree nodes verified per round, root not counted
     width: int = 12  # W: branches kept per depth (dartree)
     top_k: int = 64  # K: candidate tokens per depth (dartree, heap)
     beta: float = -0.2  # depth bonus of the final top-B (dartree, heap)
 
-    def validate(self) -> None:
+    HELP = {
+        "budget": "tree nodes verified per round, root excluded",
+        "width": "branches kept per depth",
+        "top_k": "candidate tokens per depth",
+        "beta": "depth bonus of the final top-B, must be <= 0",
+    }
+
+    def validate(self) -> "TreeSettings":
         for name in ("budget", "width", "top_k"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -73,6 +80,7 @@ class TreeSettings:
                 f"beta must be <= 0, got {self.beta}: with a positive depth bonus a child can outscore its parent, "
                 "so the global top-B is no longer a valid (ancestor-closed) tree"
             )
+        return self
 
 
 # ---------------------------------------------------------------- shared pieces
@@ -157,10 +165,30 @@ def subtree(tokens, parents, depths, keep: torch.Tensor) -> DraftTree:
 # ---------------------------------------------------------------- builders
 
 
+BUILDERS: dict[str, type["TreeBuilder"]] = {}
+
+
+def register(cls: type["TreeBuilder"]) -> type["TreeBuilder"]:
+    """Add a method to the registry: its name, what it needs and which settings it reads are
+    declared on the class, and everything else (METHODS, CLI choices, bench grids, report order,
+    ``Pipeline.methods``, test parametrisations) derives from here. Order = registration order."""
+    if cls.name in BUILDERS:
+        raise ValueError(f"method {cls.name!r} registered twice")
+    unknown = set(cls.reads) - set(TreeSettings.__dataclass_fields__)
+    if unknown:
+        raise ValueError(f"method {cls.name!r} reads unknown settings {sorted(unknown)}")
+    BUILDERS[cls.name] = cls
+    return cls
+
+
 class TreeBuilder:
+    """One method: turns one round's draft into a tree. Subclasses set the class attributes below
+    and implement ``build``; ``@register`` makes them a method."""
+
     name = ""
-    uses_drafter = True
-    needs_head = False
+    uses_drafter = True  # False: no drafter call at all (plain decoding)
+    needs_head = False  # True: needs a correction head (Domino or Markov)
+    reads: tuple[str, ...] = ()  # the TreeSettings fields this method uses
 
     def __init__(self, settings: TreeSettings):
         self.settings = settings
@@ -177,6 +205,7 @@ class TreeBuilder:
         return tree
 
 
+@register
 class AutoregressiveBuilder(TreeBuilder):
     """No draft at all: each round verifies only the root, i.e. plain decoding."""
 
@@ -187,6 +216,7 @@ class AutoregressiveBuilder(TreeBuilder):
         return DraftTree.empty()
 
 
+@register
 class DFlashBuilder(TreeBuilder):
     name = "dflash"
 
@@ -194,13 +224,7 @@ class DFlashBuilder(TreeBuilder):
         return DraftTree.chain(draft.base_logits.argmax(-1))
 
 
-class DDTreeBuilder(TreeBuilder):
-    name = "ddtree"
-
-    def build(self, draft, head):
-        return best_first_marginals(draft.base_logits.log_softmax(-1), self.settings.budget)
-
-
+@register
 class DominoBuilder(TreeBuilder):
     name = "domino"
     needs_head = True
@@ -210,9 +234,20 @@ class DominoBuilder(TreeBuilder):
         return DraftTree.chain(tokens)
 
 
+@register
+class DDTreeBuilder(TreeBuilder):
+    name = "ddtree"
+    reads = ("budget",)
+
+    def build(self, draft, head):
+        return best_first_marginals(draft.base_logits.log_softmax(-1), self.settings.budget)
+
+
+@register
 class DominoDDTreeBuilder(TreeBuilder):
     name = "domino-ddtree"
     needs_head = True
+    reads = ("budget",)
 
     def build(self, draft, head):
         _, logits = corrected_chain_logits(draft, head)
@@ -224,6 +259,7 @@ def candidate_tables(draft, top_k: int) -> torch.Tensor:
     return draft.base_logits.topk(min(top_k, draft.base_logits.shape[-1]), dim=-1).indices
 
 
+@register
 class HeapBuilder(TreeBuilder):
     """Exact best-first heap; every popped node runs the correction for its own path (sequential).
 
@@ -234,6 +270,7 @@ class HeapBuilder(TreeBuilder):
 
     name = "heap"
     needs_head = True
+    reads = ("budget", "top_k", "beta")
 
     def build(self, draft, head):
         s = self.settings
@@ -329,11 +366,13 @@ def grow_supertree(draft, head: CorrectionHead, top_k: int, quotas, budget: int 
     return Supertree(torch.cat(out_tokens), torch.cat(out_parents), torch.cat(out_depths), torch.cat(out_scores))
 
 
+@register
 class DARTreeBuilder(TreeBuilder):
     """DARTree (pruned): beam of width W per depth, then one deferred global top-B on score + beta*depth."""
 
     name = "dartree"
     needs_head = True
+    reads = ("budget", "width", "top_k", "beta")
 
     def build(self, draft, head):
         s = self.settings
@@ -342,11 +381,13 @@ class DARTreeBuilder(TreeBuilder):
         return subtree(st.tokens, st.parents, st.depths, keep)
 
 
+@register
 class DARTreeFixedBuilder(TreeBuilder):
     """DARTree (fixed): a per-depth quota ceil(remaining / remaining depths), exactly B nodes, no pruning."""
 
     name = "dartree-fixed"
     needs_head = True
+    reads = ("budget", "top_k")
 
     def build(self, draft, head):
         budget = self.settings.budget
@@ -359,19 +400,15 @@ class DARTreeFixedBuilder(TreeBuilder):
         return DraftTree(st.tokens, st.parents, st.depths)
 
 
-BUILDERS = {
-    b.name: b
-    for b in (
-        AutoregressiveBuilder,
-        DFlashBuilder,
-        DDTreeBuilder,
-        DominoBuilder,
-        DominoDDTreeBuilder,
-        HeapBuilder,
-        DARTreeBuilder,
-        DARTreeFixedBuilder,
-    )
-}
+METHODS: tuple[str, ...] = tuple(BUILDERS)
+HEAD_METHODS: tuple[str, ...] = tuple(name for name, b in BUILDERS.items() if b.needs_head)
+
+
+def available_methods(has_drafter: bool, has_head: bool) -> tuple[str, ...]:
+    """The methods a pipeline can run: plain decoding always, drafter methods with a drafter, the
+    corrected ones only with a head."""
+    return tuple(name for name, b in BUILDERS.items()
+                 if (has_drafter or not b.uses_drafter) and (has_head or not b.needs_head))
 
 
 def make_builder(method: str, settings: TreeSettings | None = None) -> TreeBuilder:

@@ -47,17 +47,22 @@ class Sampler:
     """The target's own choice: argmax at temperature 0, else a sample after temperature/top-k/top-p."""
 
     def __init__(self, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int | None = 0, device="cpu"):
-        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
-            raise DartreeError(f"temperature must be a finite number >= 0, got {temperature!r}")
-        if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
-            raise DartreeError(f"sampling_top_k must be a positive integer or None, got {top_k!r}")
-        if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-            raise DartreeError(f"top_p must be in (0, 1], got {top_p!r}")
+        self.check(temperature, top_k, top_p)
         self.temperature = float(temperature)
         self.top_k = top_k
         self.top_p = top_p
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(0 if seed is None else int(seed))
+
+    @staticmethod
+    def check(temperature, top_k, top_p) -> None:
+        """The one place that validates sampling settings (also used before any model is loaded)."""
+        if isinstance(temperature, bool) or not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+            raise DartreeError(f"temperature must be a finite number >= 0, got {temperature!r}")
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+            raise DartreeError(f"sampling_top_k must be a positive integer or None, got {top_k!r}")
+        if top_p is not None and (isinstance(top_p, bool) or not (isinstance(top_p, (int, float)) and 0 < top_p <= 1)):
+            raise DartreeError(f"top_p must be in (0, 1], got {top_p!r}")
 
     @property
     def greedy(self) -> bool:

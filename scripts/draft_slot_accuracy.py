@@ -16,7 +16,7 @@ import torch
 
 import dartree
 from dartree.bench.datasets import load_samples, select
-from dartree.replay import greedy_continuation
+from dartree.bench.replay import greedy_continuation
 
 
 def main() -> None:

@@ -101,7 +101,7 @@ def test_replay_records_equal_decoded_acceptance_lengths(tiny_pipe, tmp_path, mo
     def no_target_decoding(*args, **kwargs):
         raise AssertionError("greedy tokens should come from greedy.jsonl")
 
-    monkeypatch.setattr("dartree.replay.greedy_continuation", no_target_decoding)
+    monkeypatch.setattr("dartree.bench.replay.greedy_continuation", no_target_decoding)
     more = run_replay(tiny_pipe, samples, build_grid(["dartree"], [0.0], [5]), tmp_path / "replay" / "records.jsonl", 12)
     assert len(more) == len(replayed) + 4
     assert main(["bench", "--replay", "--temperatures", "0,1"]) == 2

@@ -78,7 +78,7 @@ def truth(small_pipes):
     return exact_joint(small_pipes["domino"].model, PROMPT, 3)
 
 
-HEAD_METHODS = ("domino", "domino-ddtree", "heap", "dartree", "dartree-fixed")
+from dartree.trees import HEAD_METHODS
 METHODS_BY_HEAD = [("domino", m) for m in dartree.METHODS] + [("markov", m) for m in HEAD_METHODS]
 
 

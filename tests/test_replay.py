@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from conftest import FAMILIES, HEADS, VOCAB
 from dartree.errors import DartreeError
-from dartree.replay import replay
+from dartree.bench.replay import replay
 from dartree.trees import TreeSettings, make_builder
 
 

@@ -8,10 +8,11 @@ import sys
 from pathlib import Path
 
 from ..errors import DartreeError
-from ..trees import METHODS
+from ..trees import METHODS, TreeSettings
 from .datasets import DATASETS
+from .runner import PEERS
 
-DEFAULT_METHODS = ",".join(METHODS) + ",hf-generate,hf-prompt-lookup"
+DEFAULT_METHODS = ",".join(METHODS + PEERS)
 
 
 def add_bench_parser(sub) -> None:
@@ -34,9 +35,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--methods", default=DEFAULT_METHODS, help="comma list of methods and peers (hf-generate, hf-prompt-lookup)")
     p.add_argument("--temperatures", default="0", help="comma list, e.g. 0,1 (default 0)")
     p.add_argument("--budgets", default="16,32,64", help="tree budgets for the tree methods (default 16,32,64)")
-    p.add_argument("--widths", default="12", help="dartree widths W, e.g. 1,2,4,8,12,16 for the ablation")
-    p.add_argument("--betas", default="-0.2", help="depth bonuses for dartree/heap, each <= 0")
-    p.add_argument("--top-k", type=int, default=64, help="candidate tokens per depth K (default 64)")
+    p.add_argument("--widths", default=str(TreeSettings.width), help="dartree widths W, e.g. 1,2,4,8,12,16 for the ablation")
+    p.add_argument("--betas", default=str(TreeSettings.beta), help="depth bonuses for dartree/heap, each <= 0")
+    p.add_argument("--top-k", type=int, default=TreeSettings.top_k, help=f"candidate tokens per depth K (default {TreeSettings.top_k})")
     p.add_argument("--limit", type=int, default=20, help="prompts per dataset (seeded selection; default 20)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
@@ -106,11 +107,10 @@ def run_bench(args) -> int:
             raise DartreeError(f"unknown method {m!r}; choose from {', '.join(METHODS + PEERS)}")
     temps = _floats(args.temperatures, "temperatures")
     budgets, widths, betas = _ints(args.budgets, "budgets"), _ints(args.widths, "widths"), _floats(args.betas, "betas")
-    for b in budgets + widths:
-        if b < 1:
-            raise DartreeError("budgets and widths must be >= 1")
-    if any(beta > 0 for beta in betas):
-        raise DartreeError("every beta must be <= 0 (a positive depth bonus breaks the top-B tree)")
+    grid = build_grid(methods, temps, budgets, widths, betas, args.top_k)
+    for c in grid:  # the same checks as generate's, before the model loads
+        if c.method not in PEERS:
+            c.settings(args.max_new_tokens, args.seed).validate()
     shard_index, shard_count = parse_shard(args.shard)
     if args.replay and temps != [0.0]:
         raise DartreeError("--replay measures temperature 0 only; drop --temperatures")
@@ -124,7 +124,6 @@ def run_bench(args) -> int:
     per_dataset = [select(load_samples(d, args.data_dir), args.limit, args.seed) for d in datasets]
     samples = [s for group in itertools.zip_longest(*per_dataset) for s in group if s is not None]
     samples = samples[shard_index::shard_count]
-    grid = build_grid(methods, temps, budgets, widths, betas, args.top_k)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     # The settings describe the whole run, which every shard shares.

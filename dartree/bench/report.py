@@ -6,7 +6,8 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .runner import read_records
+from ..trees import METHODS
+from .runner import PEERS, read_records
 
 STAGES = ("draft", "tree", "verify", "commit")
 
@@ -72,8 +73,7 @@ def summarise(records: list[dict]) -> list[Summary]:
     return out
 
 
-METHOD_ORDER = ("ar", "hf-generate", "hf-prompt-lookup", "dflash", "domino", "ddtree", "domino-ddtree", "heap",
-                "dartree", "dartree-fixed")
+METHOD_ORDER = ("ar", *PEERS, *(m for m in METHODS if m != "ar"))  # the registry's order, peers beside ar
 
 
 def _label(s: Summary) -> str:

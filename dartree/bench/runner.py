@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ..settings import GenerationSettings
+from ..trees import BUILDERS, TreeSettings, make_builder
 from .datasets import Sample
 
 try:  # POSIX: lets shards of one run (``dartree bench --shard``) append to the same records file
@@ -24,7 +26,6 @@ try:  # POSIX: lets shards of one run (``dartree bench --shard``) append to the 
 except ImportError:  # pragma: no cover - Windows runs one shard per folder
     fcntl = None
 
-BUDGET_METHODS = ("ddtree", "domino-ddtree", "heap", "dartree", "dartree-fixed")
 PEERS = ("hf-generate", "hf-prompt-lookup")
 
 
@@ -39,6 +40,7 @@ class RunConfig:
 
     @property
     def key(self) -> str:
+        """A readable name of the configuration, e.g. ``dartree|T=0|B=16|W=12|K=64|beta=-0.2``."""
         parts = [self.method, f"T={self.temperature:g}"]
         if self.budget is not None:
             parts.append(f"B={self.budget}")
@@ -51,8 +53,19 @@ class RunConfig:
         return "|".join(parts)
 
 
-def build_grid(methods, temperatures, budgets, widths=(12,), betas=(-0.2,), top_k=64) -> list[RunConfig]:
-    """ar first (the reference), then every method; tree settings only where a method uses them."""
+    def settings(self, max_new_tokens: int, seed: int | None = 0) -> GenerationSettings:
+        return GenerationSettings(method=self.method, max_new_tokens=max_new_tokens, temperature=self.temperature,
+                                  seed=seed, tree=self.tree_settings())
+
+    def tree_settings(self) -> TreeSettings:
+        """The full TreeSettings of this configuration (defaults where the method reads nothing)."""
+        return TreeSettings(**{k: getattr(self, k) for k in TreeSettings.__dataclass_fields__ if getattr(self, k) is not None})
+
+
+def build_grid(methods, temperatures, budgets, widths=(TreeSettings.width,), betas=(TreeSettings.beta,),
+               top_k=TreeSettings.top_k) -> list[RunConfig]:
+    """ar first (the reference), then every method; the tree settings of each configuration are
+    exactly those its method reads (``TreeBuilder.reads``), crossed over the values given."""
     grid = []
     for t in temperatures:
         ordered = ["ar"] + [m for m in methods if m != "ar"]
@@ -60,18 +73,16 @@ def build_grid(methods, temperatures, budgets, widths=(12,), betas=(-0.2,), top_
             if m in PEERS:
                 if t == 0:
                     grid.append(RunConfig(m, t))
-            elif m in BUDGET_METHODS:
-                for b in budgets:
-                    if m == "dartree":
-                        grid += [RunConfig(m, t, b, w, top_k, beta) for w in widths for beta in betas]
-                    elif m == "heap":
-                        grid += [RunConfig(m, t, b, None, top_k, beta) for beta in betas]
-                    elif m == "dartree-fixed":
-                        grid.append(RunConfig(m, t, b, None, top_k))
-                    else:
-                        grid.append(RunConfig(m, t, b))
-            else:
-                grid.append(RunConfig(m, t))
+                continue
+            reads = BUILDERS[m].reads
+            values = {"budget": budgets if "budget" in reads else (None,),
+                      "width": widths if "width" in reads else (None,),
+                      "top_k": (top_k,) if "top_k" in reads else (None,),
+                      "beta": betas if "beta" in reads else (None,)}
+            for b in values["budget"]:
+                for w in values["width"]:
+                    for beta in values["beta"]:
+                        grid.append(RunConfig(m, t, b, w, values["top_k"][0], beta))
     return list(dict.fromkeys(grid))
 
 
@@ -111,12 +122,7 @@ def _run_ours(pipe, sample: Sample, cfg: RunConfig, max_new_tokens: int, seed: i
     messages, turns = [], []
     for turn in sample.turns:
         messages.append({"role": "user", "content": turn})
-        kwargs = {}
-        for name in ("budget", "width", "top_k", "beta"):
-            if getattr(cfg, name) is not None:
-                kwargs[name] = getattr(cfg, name)
-        res = pipe.generate(messages=list(messages), method=cfg.method, max_new_tokens=max_new_tokens,
-                            temperature=cfg.temperature, seed=seed, **kwargs)
+        res = pipe.generate(messages=list(messages), settings=cfg.settings(max_new_tokens, seed))
         s = res.stats
         turns.append({"token_ids": res.token_ids, "new_tokens": s.new_tokens, "rounds": s.rounds,
                       "acceptance_lengths": s.acceptance_lengths, "decode_seconds": s.decode_seconds,
@@ -183,12 +189,11 @@ def run(pipe, samples: list[Sample], grid: list[RunConfig], out_path: Path, max_
 
 
 def run_replay(pipe, samples: list[Sample], grid: list[RunConfig], out_path: Path, max_new_tokens: int) -> list[dict]:
-    """T = 0 acceptance lengths by exact replay (``dartree.replay``): one greedy run and one
+    """T = 0 acceptance lengths by exact replay (``dartree.bench.replay``): one greedy run and one
     teacher-forced target forward per turn, then every configuration's rounds on the drafter and
     tree builder alone. Records have the bench schema with ``"replay": true``; the only time in
     them is the tree build, measured on identical drafts for every configuration."""
-    from ..replay import enough_greedy, replay
-    from ..trees import TreeSettings, make_builder
+    from .replay import enough_greedy, replay
 
     configs = [c for c in grid if c.temperature == 0 and c.method not in PEERS and c.method != "ar"]
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -196,10 +201,7 @@ def run_replay(pipe, samples: list[Sample], grid: list[RunConfig], out_path: Pat
     done = {(r["dataset"], r["sample_id"], r["key"]) for r in records}
     todo = [s for s in samples if any((s.dataset, s.sample_id, c.key) not in done for c in configs)]
     stop = pipe.default_stop_ids()
-    builders = {}
-    for c in configs:
-        settings = {k: getattr(c, k) for k in ("budget", "width", "top_k", "beta") if getattr(c, k) is not None}
-        builders[c.key] = make_builder(c.method, TreeSettings(**settings))
+    builders = {c.key: make_builder(c.method, c.tree_settings()) for c in configs}
     # The greedy tokens are the expensive part (a full ar run): keep them, so further grids on the
     # same prompts (ablations) reuse them.
     greedy_path = out_path.parent / "greedy.jsonl"

@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .decoding import decode, truncate
-from .errors import require
-from .trees import TreeBuilder, make_builder
-from .verify import Sampler, follow_tree
+from ..decoding import decode, truncate
+from ..errors import require
+from ..trees import TreeBuilder, make_builder
+from ..verify import Sampler, follow_tree
 
 
 @dataclass

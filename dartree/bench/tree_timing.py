@@ -13,9 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .drafter import DraftOutput
-from .heads import DominoHead, MarkovHead
-from .trees import TreeSettings, make_builder
+from dataclasses import replace
+
+from ..drafter import DraftOutput
+from ..heads import DominoHead, MarkovHead
+from ..trees import TreeSettings, make_builder
 
 
 @dataclass
@@ -64,11 +66,8 @@ def time_tree_builders(
     hidden: int,
     vocab: int,
     head_kind: str = "domino",
+    settings: TreeSettings = TreeSettings(),
     depths: int = 16,
-    budget: int = 64,
-    width: int = 12,
-    top_k: int = 64,
-    beta: float = -0.2,
     gru: int = 1024,
     rank: int = 256,
     rounds: int = 20,
@@ -78,10 +77,9 @@ def time_tree_builders(
     logit_scale: float = 3.0,
 ) -> TreeTiming:
     head, make_draft = _random_setup(hidden, vocab, head_kind, depths, gru, rank, seed, dtype, logit_scale)
-    settings = TreeSettings(budget=budget, width=width, top_k=top_k, beta=beta)
     heap, dart = make_builder("heap", settings), make_builder("dartree", settings)
     # The equal-result check needs a beam that keeps every node the heap visits (W >= B).
-    wide = make_builder("dartree", TreeSettings(budget=budget, width=budget, top_k=top_k, beta=beta))
+    wide = make_builder("dartree", replace(settings, width=settings.budget))
     heap_t, dart_t, same, reach = [], [], True, []
     for r in range(warmup + rounds):
         draft = make_draft(seed * 1000 + r)
