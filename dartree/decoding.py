@@ -1,8 +1,8 @@
 """The one decoding loop shared by every method.
 
-Per round: draft (drafter backbone) -> build a tree (the method) -> ONE target forward over
-[root, tree] -> walk with the target's own choices -> commit (compact the KV cache to the accepted
-path and keep the tapped states of the accepted rows as the drafter's next context).
+Per round: draft (drafter backbone) -> build a tree (the method) -> verify (ONE target forward over
+[root, tree], the walk with the target's own choices, the KV cache compacted to the accepted path)
+-> commit (hand the tokens on; the tapped states of the accepted rows are the drafter's next context).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from .drafter import DraftProposer
 from .heads import CorrectionHead
 from .target import TargetAdapter
 from .trees import DraftTree, TreeBuilder
-from .verify import Sampler, ancestor_matrix, follow_tree
+from .verify import Sampler, verify
 
 STAGES = ("prefill", "draft", "tree", "verify", "commit")
 
@@ -118,21 +118,15 @@ def decode(
             tree = DraftTree.empty(prompt_ids.device)
         first_round = False
 
-        rows = torch.cat([torch.tensor([bonus], device=prompt_ids.device), tree.tokens])
-        depths = torch.cat([torch.zeros(1, dtype=torch.long, device=prompt_ids.device), tree.depths])
-        mask = target.tree_mask(ancestor_matrix(tree)) if len(tree) else None
-        logits, row_features = target.forward_tree(rows, depths, mask)
-        accepted, next_bonus = follow_tree(tree, sampler(logits))
+        verified = verify(target, bonus, tree, sampler)
         timer.lap("verify")
 
-        keep = torch.tensor(accepted, device=prompt_ids.device)
-        target.compact(start, keep)
-        if row_features is not None:
-            features = row_features.index_select(0, keep)
-        new_tokens = rows[keep[1:]].tolist() + [next_bonus]
-        start += len(accepted)
-        bonus = next_bonus
-        stats.acceptance_lengths.append(len(accepted))
+        if verified.features is not None:
+            features = verified.features
+        new_tokens = verified.tokens
+        start += verified.acceptance_length
+        bonus = verified.next_bonus
+        stats.acceptance_lengths.append(verified.acceptance_length)
         stats.tree_sizes.append(len(tree))
         timer.lap("commit")
         if on_tokens is not None:  # only what the final output keeps

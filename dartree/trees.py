@@ -34,6 +34,13 @@ class DraftTree:
             found.append((found[p - 1] if p > 0 else ()) + (t,))
         return set(found)
 
+    def rows(self, root: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens and depths of the verification batch: row 0 is the root (depth 0), row i+1 node i."""
+        device = self.tokens.device
+        tokens = torch.cat([torch.tensor([root], dtype=torch.long, device=device), self.tokens])
+        depths = torch.cat([torch.zeros(1, dtype=torch.long, device=device), self.depths])
+        return tokens, depths
+
     @classmethod
     def empty(cls, device="cpu") -> "DraftTree":
         z = torch.zeros(0, dtype=torch.long, device=device)

@@ -1,4 +1,8 @@
-"""Tree verification: ancestor masks, sampling the target at every node, and the walk.
+"""Tree verification: one stage, ``verify``, that turns a draft tree into committed tokens.
+
+It owns the root row, the ancestor mask, the target's one forward over [root, tree], the target's
+choice at every row (``Sampler``), the walk, and the compaction of the target's KV cache to the
+accepted path. ``replay`` (bench/) uses the same walk on known choices.
 
 The walk makes every method lossless at any temperature: at each node the target's own choice
 (argmax, or an independent sample of its distribution) is drawn; we follow the child carrying that
@@ -9,11 +13,16 @@ is therefore a draw from the target given the committed prefix.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .errors import DartreeError
 from .trees import DraftTree
+
+if TYPE_CHECKING:
+    from .target import TargetAdapter
 
 
 def ancestor_matrix(tree: DraftTree) -> torch.Tensor:
@@ -41,6 +50,38 @@ def follow_tree(tree: DraftTree, choices: torch.Tensor) -> tuple[list[int], int]
     while (child := children.get((accepted[-1], picked[accepted[-1]]))) is not None:
         accepted.append(child)
     return accepted, picked[accepted[-1]]
+
+
+@dataclass
+class Verified:
+    """What one verification commits."""
+
+    accepted_rows: list[int]  # rows of [root, tree] on the accepted path, root first
+    tokens: list[int]  # the committed tokens: the accepted draft tokens, then the next bonus token
+    next_bonus: int
+    features: torch.Tensor | None  # tapped target states of the accepted rows (the drafter's next context)
+
+    @property
+    def acceptance_length(self) -> int:
+        """tau of the round: accepted draft tokens + the bonus."""
+        return len(self.accepted_rows)
+
+
+@torch.no_grad()
+def verify(target: "TargetAdapter", root: int, tree: DraftTree, sampler: "Sampler") -> Verified:
+    """Verify ``tree`` (rooted at the bonus token ``root``, the next token not yet in the target's
+    cache) with ONE target forward, walk it with the target's own choices, and compact the cache to
+    the accepted path. Every committed token is the target's own choice given the committed prefix,
+    so the output is exactly what the target alone would write."""
+    start = target.cache_length
+    tokens, depths = tree.rows(root)
+    mask = target.tree_mask(ancestor_matrix(tree)) if len(tree) else None
+    logits, row_features = target.forward_tree(tokens, depths, mask)
+    accepted, next_bonus = follow_tree(tree, sampler(logits))
+    keep = torch.tensor(accepted, device=tokens.device)
+    target.compact(start, keep)
+    features = row_features.index_select(0, keep) if row_features is not None else None
+    return Verified(accepted, tokens[keep[1:]].tolist() + [next_bonus], next_bonus, features)
 
 
 class Sampler:

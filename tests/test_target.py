@@ -55,8 +55,7 @@ def test_tree_forward_equals_sequential_forward_on_every_path(hf_model):
     adapter = TargetAdapter(hf_model, [1])
     adapter.prefill(torch.tensor(prefix))
     root = 2
-    rows = torch.cat([torch.tensor([root]), tree.tokens])
-    depths = torch.cat([torch.tensor([0]), tree.depths])
+    rows, depths = tree.rows(root)
     logits, feats = adapter.forward_tree(rows, depths, adapter.tree_mask(ancestor_matrix(tree)))
     parents = [-1] + tree.parents.tolist()
     for row in range(len(rows)):
@@ -75,8 +74,7 @@ def test_compaction_keeps_the_accepted_path(hf_model):
     tree = sample_tree()
     adapter = TargetAdapter(hf_model, [])
     adapter.prefill(torch.tensor(prefix))
-    rows = torch.cat([torch.tensor([2]), tree.tokens])
-    depths = torch.cat([torch.tensor([0]), tree.depths])
+    rows, depths = tree.rows(2)
     adapter.forward_tree(rows, depths, adapter.tree_mask(ancestor_matrix(tree)))
     accepted = torch.tensor([0, 1, 4, 5])  # root -> 5 -> 2 -> 7
     adapter.compact(len(prefix), accepted)
@@ -102,3 +100,29 @@ def test_walk_follows_matching_children():
     assert accepted == [0, 1, 4, 5] and bonus == 0
     accepted, bonus = follow_tree(tree, torch.tensor([3, 0, 0, 0, 0, 0, 0]))
     assert accepted == [0] and bonus == 3
+
+
+def test_verify_commits_the_greedy_path_and_compacts_the_cache(hf_model):
+    """verify(): one forward over [root, tree], the walk, the compaction. A tree holding the greedy
+    continuation among decoys commits exactly that continuation and leaves the cache as if the
+    committed tokens had been fed one by one."""
+    from conftest import hf_greedy
+    from dartree.trees import DraftTree
+    from dartree.verify import Sampler, verify
+
+    prefix, root = [4, 0, 6], 2
+    greedy = hf_greedy(hf_model, prefix + [root], 4)
+    decoy = [(t + 1) % 8 for t in greedy]
+    # rows: 1 decoy(d1), 2 greedy[0], 3 decoy(d2) under 2, 4 greedy[1] under 2, 5 greedy[2] under 4
+    tree = DraftTree.from_lists([decoy[0], greedy[0], decoy[1], greedy[1], greedy[2]], [0, 0, 2, 2, 4], [1, 1, 2, 2, 3])
+    adapter = TargetAdapter(hf_model, [1])
+    adapter.prefill(torch.tensor(prefix))
+    out = verify(adapter, root, tree, Sampler(0.0))
+    assert out.accepted_rows == [0, 2, 4, 5]
+    assert out.tokens == greedy[:4] and out.next_bonus == greedy[3] and out.acceptance_length == 4
+    assert out.features.shape[0] == 4
+    assert adapter.cache_length == len(prefix) + 4
+    fresh = TargetAdapter(hf_model, [])
+    fresh.prefill(torch.tensor(prefix + [root] + greedy[:3]))
+    for a, b in zip(adapter.cache.layers, fresh.cache.layers):
+        torch.testing.assert_close(a.keys, b.keys, rtol=0, atol=1e-10)

@@ -112,8 +112,8 @@ def replay(
             started = time.perf_counter()
             tree = run.builder.propose(draft, pipe.head)
             run.tree_seconds += time.perf_counter() - started
-            row_depths = torch.cat([torch.zeros(1, dtype=torch.long, device=tree.depths.device), tree.depths])
-            accepted, _ = follow_tree(tree, choices[i + row_depths])
+            _, row_depths = tree.rows(y[i])
+            accepted, _ = follow_tree(tree, choices[i + row_depths])  # the target's choice at row r is y[i + depth(r) + 1]
             new_tokens = y[i + 1 : i + len(accepted) + 1]
             run.acceptance_lengths.append(len(accepted))
             run.next_index = i + len(accepted)
