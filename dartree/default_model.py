@@ -75,7 +75,7 @@ def default_target_dir(verbose: bool = True) -> Path:
     gguf = gguf_path()
     out.parent.mkdir(parents=True, exist_ok=True)
     if verbose:
-        print(f"dartree: first run: converting {gguf.name} to a safetensors checkpoint in {out} (once, ~15 s)",
+        print(f"dartree: first run: converting {gguf.name} to a safetensors checkpoint in {out} (once, about 30 s)",
               file=sys.stderr)
     t0 = time.perf_counter()
     convert_gguf(gguf, out)

@@ -62,3 +62,16 @@ def describe_machine() -> str:
     model, flags = cpu_info()
     keep = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
     return f"{model}; flags: {' '.join(keep) or 'none of avx2/avx512/amx'}; {physical_cores()} physical cores"
+
+
+def set_threads(threads: int | None) -> int:
+    """Use ``threads`` CPU threads for torch (default: the physical cores; torch's own default counts
+    every logical CPU it sees, which on a busy or SMT machine made a decoding step ~10x slower)."""
+    from .errors import DartreeError
+
+    if threads is None:
+        threads = physical_cores()
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise DartreeError(f"threads must be an integer >= 1, got {threads!r}")
+    torch.set_num_threads(threads)
+    return threads

@@ -11,6 +11,7 @@ import torch
 from .decoding import GenerationStats, decode
 from .drafter import DraftProposer, DrafterModel, load_drafter
 from .errors import CheckpointError, DartreeError, require
+from .hardware import set_threads
 from .settings import GenerationSettings
 from .target import TargetAdapter, check_context_length
 from .trees import available_methods
@@ -249,14 +250,17 @@ def resolve_device(device) -> torch.device:
     return device_obj
 
 
-def load(target: str | Path | None = None, drafter: str | Path | None = None, dtype=torch.float32, device="cpu") -> Pipeline:
+def load(target: str | Path | None = None, drafter: str | Path | None = None, dtype=torch.float32, device="cpu",
+         threads: int | None = None) -> Pipeline:
     """Load a target (any HF causal LM directory) and a DFlash-format drafter.
 
     With no arguments: the bundled default model (SmolLM2-135M-Instruct) with the drafter shipped
-    in this repository, fully offline.
+    in this repository, fully offline. ``threads``: CPU threads for torch (default: the physical
+    cores); it sets torch's process-wide thread count.
     """
     dtype = _parse_dtype(dtype)
     device = resolve_device(device)
+    set_threads(threads)
     if target is None:
         from .default_model import default_drafter_dir, default_target_dir
 

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from dartree.cli import main
 from conftest import hf_greedy
 
@@ -46,3 +48,33 @@ def test_bench_tree_prints_the_ratio(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "heap / dartree" in text and text.count("| 32 | 500 |") == 2 and "| yes |" in text
     assert out.read_text().strip() == text.strip()
+
+
+@pytest.mark.parametrize("argv", [["generate", "hi", "--method", "nope"], ["generate", "hi", "--budget", "x"],
+                                  ["bench", "--limit"], ["train", "drafter", "--steps", "many"], ["nope"]])
+def test_usage_mistakes_are_one_line_errors(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "error:" in err and "usage:" not in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "hi", "--beta", "0.5"], "beta must be <= 0"),
+    (["generate", "hi", "--budget", "0"], "budget must be an integer >= 1"),
+    (["generate", "   "], "the prompt is empty"),
+    (["generate", "hi", "-t", "nan"], "temperature must be a finite number"),
+    (["generate", "hi", "--threads", "0"], "threads must be an integer >= 1"),
+    (["bench", "--methods", "dartree", "--betas", "0.3"], "beta must be <= 0"),
+])
+def test_bad_settings_are_rejected_before_any_model_loads(argv, message, monkeypatch, capsys):
+    import dartree
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded before the settings were checked")
+
+    monkeypatch.setattr(dartree, "load", no_loading)
+    monkeypatch.setattr("dartree.pipeline.load_target", no_loading)
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err

@@ -7,12 +7,68 @@ import json
 import sys
 from pathlib import Path
 
+from ..cliargs import add_threads_arg, add_tree_args, tree_settings
+from ..hardware import set_threads
 from ..errors import DartreeError
 from ..trees import METHODS, TreeSettings
 from .datasets import DATASETS
 from .runner import PEERS
 
 DEFAULT_METHODS = ",".join(METHODS + PEERS)
+
+
+def add_bench_tree_parser(sub) -> None:
+    bt = sub.add_parser(
+        "bench-tree",
+        help="time tree construction: sequential heap vs depth-batched dartree",
+        description="Time the heap baseline against dartree on the same random draft outputs, side by side, "
+        "and print a markdown table of per-round build times and their ratio.",
+    )
+    bt.add_argument("--sizes", default="256x32000,576x49152,1024x151936,2560x151936",
+                    help="comma-separated HIDDENxVOCAB pairs (default: small to Qwen3-4B)")
+    bt.add_argument("--heads", default="domino,markov", help="correction heads to time (default domino,markov)")
+    bt.add_argument("--depths", "-D", type=int, default=16)
+    bt.add_argument("--gru", type=int, default=1024, help="Domino GRU width (published: 1024)")
+    bt.add_argument("--rank", type=int, default=256, help="low-rank width of the correction (published: 256)")
+    bt.add_argument("--rounds", type=int, default=20, help="timed rounds per cell (median reported)")
+    bt.add_argument("--logit-scale", type=float, default=3.0, help="std of the random base logits (larger = more peaked drafts)")
+    add_threads_arg(bt)
+    bt.add_argument("--out", help="also write the table to this markdown file")
+    add_tree_args(bt)
+    bt.set_defaults(func=_run_bench_tree)
+
+
+def _run_bench_tree(args) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from .tree_timing import format_table, time_tree_builders
+
+    settings = tree_settings(args)
+    set_threads(args.threads)
+    try:
+        sizes = [tuple(int(x) for x in item.lower().split("x")) for item in args.sizes.split(",")]
+        assert all(len(s) == 2 and s[0] > 0 and s[1] > 0 for s in sizes)
+    except (ValueError, AssertionError):
+        raise DartreeError(f"--sizes must look like 576x49152,2560x151936, got {args.sizes!r}") from None
+    heads = [h.strip() for h in args.heads.split(",")]
+    for h in heads:
+        if h not in ("domino", "markov"):
+            raise DartreeError(f"--heads takes domino and/or markov, got {h!r}")
+    rows = []
+    for head in heads:
+        for hidden, vocab in tqdm(sizes, desc=f"bench-tree ({head})", file=sys.stderr):
+            rows.append(time_tree_builders(hidden, vocab, head, settings, depths=args.depths, gru=args.gru, rank=args.rank,
+                                           rounds=args.rounds, logit_scale=args.logit_scale))
+    table = format_table(rows, dict(depths=args.depths, top_k=settings.top_k, width=settings.width, budget=settings.budget,
+                                    beta=settings.beta, gru=args.gru, rank=args.rank, rounds=args.rounds,
+                                    logit_scale=args.logit_scale))
+    print(table)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(table + "\n")
+    return 0
+
 
 
 def add_bench_parser(sub) -> None:
@@ -45,7 +101,7 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--target", help="target directory (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--drafter", help="drafter directory (default: the shipped one)")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    add_threads_arg(p)
     p.add_argument(
         "--shard",
         metavar="I/N",
@@ -112,11 +168,10 @@ def run_bench(args) -> int:
         if c.method not in PEERS:
             c.settings(args.max_new_tokens, args.seed).validate()
     shard_index, shard_count = parse_shard(args.shard)
+    set_threads(args.threads)
     if args.replay and temps != [0.0]:
         raise DartreeError("--replay measures temperature 0 only; drop --temperatures")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    pipe = dartree.load(args.target, args.drafter, dtype=args.dtype)
+    pipe = dartree.load(args.target, args.drafter, dtype=args.dtype, threads=args.threads)
     missing = [m for m in methods if m not in PEERS and m not in pipe.methods]
     if missing:
         raise DartreeError(f"this drafter cannot run {', '.join(missing)}; it supports {', '.join(pipe.methods)}")

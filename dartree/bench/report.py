@@ -6,6 +6,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..errors import DartreeError
 from ..trees import METHODS
 from .runner import PEERS, read_records
 
@@ -265,7 +266,7 @@ def build_report(run_dir: str | Path, title: str = "dartree benchmark", preamble
     run_dir = Path(run_dir)
     records = read_records(run_dir / "records.jsonl")
     if not records:
-        raise FileNotFoundError(f"no records in {run_dir / 'records.jsonl'}")
+        raise DartreeError(f"no benchmark records in {run_dir / 'records.jsonl'}; run `dartree bench --out {run_dir}` first")
     # A stopped run has prompts only some configurations finished: leave them out, so every
     # configuration is averaged (and compared with ar) over the same prompts.
     complete = complete_prompts(records)
@@ -275,7 +276,7 @@ def build_report(run_dir: str | Path, title: str = "dartree benchmark", preamble
         preamble = (f"The run is unfinished: {len(unfinished)} prompt(s) that not every configuration has reached "
                     f"are left out; the tables cover the {len(complete)} prompts every configuration finished.\n\n" + preamble)
     if not records:
-        raise FileNotFoundError(f"no prompt in {run_dir / 'records.jsonl'} is finished by every configuration yet")
+        raise DartreeError(f"no prompt in {run_dir / 'records.jsonl'} is finished by every configuration yet")
     summaries = summarise(records)
     images = plots(summaries, run_dir)
     text = markdown(summaries, title)
