@@ -52,6 +52,33 @@ def training_prompts(prompts_dir: str | Path, seed: int = 0) -> list[str]:
     return out
 
 
+def reference_token_counts(prompts_dir: str | Path, tokenizer, vocab_size: int) -> torch.Tensor:
+    """[vocab_size] token counts of the human-written training text (questions, instructions and
+    reference answers of ../shared/prompts, MBPP train ids only): a prior that ranks the tokens the
+    target-written responses have not (yet) used when the draft vocabulary is chosen."""
+    d = Path(prompts_dir)
+    if not d.is_dir():
+        raise DartreeError(f"prompts directory {str(d)!r} does not exist (expected ../shared/prompts)")
+    texts: list[str] = []
+    with open(d / "gsm8k_train.jsonl") as f:
+        for line in f:
+            if line.strip():
+                row = json.loads(line)
+                texts += [row["question"], row["answer"]]
+    for name in ("alpaca_train_2000.json", "dolly_train_2000.json"):
+        for r in json.loads((d / name).read_text()):
+            texts += [r["instruction"], r.get("input", ""), r.get("output", "")]
+    with open(d / "mbpp_full.jsonl") as f:
+        for line in f:
+            row = json.loads(line)
+            if row["task_id"] in MBPP_TRAIN_IDS:
+                texts += [row["text"], row["code"]]
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for ids in tokenizer([t for t in texts if t], add_special_tokens=False)["input_ids"]:
+        counts += torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=vocab_size)[:vocab_size]
+    return counts
+
+
 @dataclass
 class Sequence:
     tokens: torch.Tensor  # [L] prompt + response
