@@ -13,9 +13,7 @@ finished tree's tokens back, so verification only ever sees target ids.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -352,98 +350,6 @@ class DrafterModel(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, ctx, rope, cache, i, attn_mask)
         return self.norm(x)
-
-
-# ---------------------------------------------------------------- loading and saving
-
-
-def _read_config(directory: Path) -> DrafterConfig:
-    path = directory / CONFIG_NAME
-    require(directory.is_dir(), f"drafter directory {str(directory)!r} does not exist", CheckpointError)
-    require(path.is_file(), f"drafter directory {str(directory)!r} has no {CONFIG_NAME}", CheckpointError)
-    try:
-        raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path} is not valid JSON ({exc}); expected a DFlash-format drafter config") from None
-    require(isinstance(raw, dict), f"{path} must hold a JSON object", CheckpointError)
-    return DrafterConfig.from_dict(raw)
-
-
-def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    files = sorted(directory.glob("*.safetensors"))
-    require(bool(files), f"drafter directory {str(directory)!r} has no .safetensors weights", CheckpointError)
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        try:
-            state.update(load_file(str(f)))
-        except (SafetensorError, OSError, RuntimeError) as exc:
-            raise CheckpointError(f"cannot read drafter weights {f}: the file is corrupt or truncated ({exc})") from None
-    return state
-
-
-def _to_module_names(state: dict[str, torch.Tensor], has_head: bool) -> dict[str, torch.Tensor]:
-    """On disk the head's tensors sit at top level (prefix_gru.*, markov_w1.*); in memory under head.*."""
-    out = {}
-    for name, tensor in state.items():
-        if name.startswith("model."):  # some exporters nest the backbone
-            name = name[len("model.") :]
-        if has_head and name.split(".")[0] in ("prefix_gru", "embed_proj", "markov_w1", "markov_w2"):
-            name = "head." + name
-        out[name] = tensor
-    return out
-
-
-def load_drafter(directory: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> DrafterModel:
-    directory = Path(directory)
-    cfg = _read_config(directory)
-    state = _to_module_names(_read_weights(directory), cfg.projector_type is not None)
-    model = DrafterModel(cfg)
-    if "mask_embedding" in state:
-        model.mask_embedding = nn.Parameter(torch.zeros(cfg.hidden_size))
-    # DSpark ships copies of the target's embedding and lm_head; we use the target's. A reduced
-    # draft vocabulary brings its own lm_head (and d2t), which is kept.
-    ignored = {"embed_tokens.weight"} | (set() if cfg.draft_vocab_size else {"lm_head.weight"})
-    state = {k: v for k, v in state.items() if k not in ignored}
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    require(not missing, f"drafter weights in {directory} lack {missing[:6]}{' ...' if len(missing) > 6 else ''}", CheckpointError)
-    require(not unexpected, f"drafter weights in {directory} have unknown tensors {unexpected[:6]}", CheckpointError)
-    for name, tensor in state.items():
-        require(
-            tuple(tensor.shape) == tuple(expected[name].shape),
-            f"drafter tensor {name} has shape {tuple(tensor.shape)} but config.json implies {tuple(expected[name].shape)}",
-            CheckpointError,
-        )
-    model.load_state_dict(state)
-    if model.d2t is not None:
-        target_ids = model.draft_to_target(torch.arange(cfg.draft_vocab_size))
-        require(
-            bool(((target_ids >= 0) & (target_ids < cfg.vocab_size)).all()) and target_ids.unique().numel() == target_ids.numel(),
-            f"drafter d2t in {directory} must map the {cfg.draft_vocab_size} draft ids to distinct target ids below {cfg.vocab_size}",
-            CheckpointError,
-        )
-    model.to(device=device, dtype=dtype)
-    if model.d2t is not None:
-        model.d2t = model.d2t.long()  # Module.to(dtype) leaves integer buffers alone; keep it explicit
-    return model.eval()
-
-
-def save_drafter(model: DrafterModel, directory: str | Path) -> None:
-    from safetensors.torch import save_file
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / CONFIG_NAME).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
-    state = {}
-    for name, tensor in model.state_dict().items():
-        if name.startswith("head."):
-            name = name[len("head.") :]
-        state[name] = tensor.detach().contiguous().cpu()
-    save_file(state, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
 
 
 # ---------------------------------------------------------------- one draft call per round

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .decoding import GenerationStats, decode
-from .drafter import DraftProposer, DrafterModel, load_drafter
-from .errors import CheckpointError, DartreeError, require
+from .drafter import DraftProposer, DrafterModel
+from .errors import require
 from .hardware import set_threads
+from .loading import check_pair, load_drafter, load_target, load_tokenizer, parse_dtype, resolve_device
 from .settings import GenerationSettings
 from .target import TargetAdapter, check_context_length
 from .trees import available_methods
@@ -25,61 +25,6 @@ class GenerationResult:
 
     def to_dict(self) -> dict:
         return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.to_dict()}
-
-
-def load_target(directory: str | Path, dtype: torch.dtype, device) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    directory = Path(directory)
-    require(directory.is_dir(), f"target directory {str(directory)!r} does not exist", CheckpointError)
-    require((directory / "config.json").is_file(), f"target directory {str(directory)!r} has no config.json", CheckpointError)
-    try:
-        json.loads((directory / "config.json").read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{directory / 'config.json'} is not valid JSON ({exc})") from None
-    try:
-        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, attn_implementation="sdpa")
-    except OSError as exc:  # missing weight files
-        raise CheckpointError(f"cannot load the target from {directory}: {exc}") from None
-    except Exception as exc:  # safetensors header errors and the like
-        if "safetensor" in type(exc).__name__.lower() or "header" in str(exc).lower():
-            raise CheckpointError(f"target weights in {directory} are corrupt or truncated: {exc}") from None
-        raise
-    return model.to(device).eval()
-
-
-def load_tokenizer(directory: str | Path):
-    from transformers import AutoTokenizer
-
-    directory = Path(directory)
-    if not any((directory / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
-        return None
-    return AutoTokenizer.from_pretrained(directory)
-
-
-def check_pair(target_model: torch.nn.Module, drafter: DrafterModel) -> None:
-    """Raise a clear error when a drafter does not fit its target."""
-    cfg, tcfg = drafter.config, target_model.config
-    require(
-        cfg.hidden_size == tcfg.hidden_size,
-        f"drafter hidden_size {cfg.hidden_size} does not match the target's {tcfg.hidden_size}; the drafter "
-        "reuses the target's embedding and lm_head, so they must be equal",
-    )
-    lm_rows = target_model.get_output_embeddings().weight.shape[0]
-    require(
-        cfg.vocab_size == lm_rows,
-        f"drafter vocab_size {cfg.vocab_size} does not match the target's lm_head ({lm_rows} tokens)",
-    )
-    n_layers = tcfg.num_hidden_layers
-    for i in cfg.target_layer_ids:
-        require(
-            0 <= i < n_layers,
-            f"drafter taps target layer {i}, out of range for a target with {n_layers} layers (0..{n_layers - 1})",
-        )
-    require(
-        cfg.num_target_layers == n_layers,
-        f"drafter was built for a {cfg.num_target_layers}-layer target, this target has {n_layers} layers",
-    )
 
 
 class Pipeline:
@@ -211,45 +156,6 @@ class Pipeline:
         return GenerationResult(token_ids=tokens, text=text, stats=stats)
 
 
-def _parse_dtype(dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    names = {"float32": torch.float32, "fp32": torch.float32, "float64": torch.float64, "fp64": torch.float64,
-             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-    if dtype not in names:
-        raise DartreeError(f"unknown dtype {dtype!r}; use one of {', '.join(names)}")
-    return names[dtype]
-
-
-def resolve_device(device) -> torch.device:
-    """A torch device from a name; ``"auto"`` picks the first GPU when there is one, else the CPU.
-
-    A GPU that this machine does not have is a clear error here rather than a CUDA assertion deep
-    inside the first forward.
-    """
-    if isinstance(device, torch.device):
-        device_obj = device
-    else:
-        if device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        try:
-            device_obj = torch.device(device)
-        except (RuntimeError, TypeError):
-            raise DartreeError(f"unknown device {device!r}; use cpu, cuda, cuda:N or auto") from None
-    if device_obj.type == "cuda":
-        if not torch.cuda.is_available():
-            raise DartreeError(f"device {str(device_obj)!r} asked for, but this machine has no usable CUDA GPU "
-                               f"(torch {torch.__version__}); use --device cpu")
-        if device_obj.index is not None and device_obj.index >= torch.cuda.device_count():
-            raise DartreeError(f"device {str(device_obj)!r} asked for, but this machine has {torch.cuda.device_count()} CUDA GPU(s)")
-    elif device_obj.type == "mps":
-        if not torch.backends.mps.is_available():
-            raise DartreeError("device 'mps' asked for, but this machine has no usable Apple GPU; use --device cpu")
-    elif device_obj.type != "cpu":
-        raise DartreeError(f"device {str(device_obj)!r} is not supported; use cpu, cuda, cuda:N, mps or auto")
-    return device_obj
-
-
 def load(target: str | Path | None = None, drafter: str | Path | None = None, dtype=torch.float32, device="cpu",
          threads: int | None = None) -> Pipeline:
     """Load a target (any HF causal LM directory) and a DFlash-format drafter.
@@ -258,7 +164,7 @@ def load(target: str | Path | None = None, drafter: str | Path | None = None, dt
     in this repository, fully offline. ``threads``: CPU threads for torch (default: the physical
     cores); it sets torch's process-wide thread count.
     """
-    dtype = _parse_dtype(dtype)
+    dtype = parse_dtype(dtype)
     device = resolve_device(device)
     set_threads(threads)
     if target is None:

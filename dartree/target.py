@@ -12,51 +12,34 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from .errors import DartreeError, require
-
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    base = getattr(model, "model", None)
-    layers = getattr(base, "layers", None)
-    require(
-        isinstance(layers, nn.ModuleList),
-        f"{type(model).__name__} does not expose model.layers; dartree supports decoder-only HF causal LMs "
-        "(Llama, Qwen3 and the like)",
-    )
-    return layers
+from .errors import DartreeError
+from .loading import LayerTap, decoder_layers
 
 
 class TargetAdapter:
     def __init__(self, model: nn.Module, tapped_layers: list[int] | tuple[int, ...] = ()):
         self.model = model.eval()
         self.config = model.config
-        layers = decoder_layers(model)
-        for i in tapped_layers:
-            require(
-                0 <= int(i) < len(layers),
-                f"tapped target layer {i} is out of range: the target has {len(layers)} decoder layers (0..{len(layers) - 1})",
-            )
+        decoder_layers(model)  # a clear error for a model without the decoder layout
         self.tapped_layers = [int(i) for i in tapped_layers]
-        self._captured: dict[int, torch.Tensor] = {}
+        self._tap = LayerTap(model, self.tapped_layers)
         self.capture = bool(self.tapped_layers)
-        self._hooks = [layers[i].register_forward_hook(self._hook(i)) for i in self.tapped_layers]
         self.cache: DynamicCache | None = None
 
-    # ------------------------------------------------------------- hooks
-    def _hook(self, index: int):
-        def hook(_module, _inputs, output):
-            if self.capture:
-                self._captured[index] = output[0] if isinstance(output, tuple) else output
+    @property
+    def capture(self) -> bool:
+        """Whether forwards collect the tapped states (only the drafter methods need them)."""
+        return self._tap.enabled
 
-        return hook
+    @capture.setter
+    def capture(self, value: bool) -> None:
+        self._tap.enabled = bool(value)
 
     def _features(self) -> torch.Tensor | None:
         """[n, m*H] tapped states of the last forward (batch 1), in tapped-layer order."""
-        if not self.capture:
+        if not self.capture or not self.tapped_layers:
             return None
-        feats = torch.cat([self._captured[i] for i in self.tapped_layers], dim=-1)[0]
-        self._captured.clear()
-        return feats
+        return self._tap.pop()[0][0]
 
     @property
     def embed_tokens(self) -> nn.Embedding:
@@ -121,9 +104,7 @@ class TargetAdapter:
             layer.values = layer.values[:, :, : start + n_keep]
 
     def close(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
+        self._tap.close()
 
 
 def check_context_length(config, prompt_len: int, max_new_tokens: int, margin: int) -> None:

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from .drafter import DrafterConfig, DrafterModel, save_drafter
+from .drafter import DrafterConfig, DrafterModel
+from .loading import save_drafter
 
 
 def make_tiny_target(

@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from dartree.drafter import DraftProposer, DrafterConfig, default_target_layer_ids, load_drafter, save_drafter
+from dartree.drafter import DraftProposer, DrafterConfig, default_target_layer_ids
+from dartree.loading import load_drafter, save_drafter
 from dartree.tiny import make_tiny_drafter
 
 

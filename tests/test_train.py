@@ -127,7 +127,7 @@ def test_training_step_makes_every_tensor_on_the_model_device(tiny_data, tmp_pat
 
 def test_resolve_device(monkeypatch):
     from dartree.errors import DartreeError
-    from dartree.pipeline import resolve_device
+    from dartree.loading import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_device("auto") == torch.device("cpu")

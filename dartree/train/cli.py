@@ -44,7 +44,7 @@ def _run_data(args) -> int:
     import torch
 
     from ..default_model import default_target_dir
-    from ..pipeline import load_target, load_tokenizer, resolve_device
+    from ..loading import load_target, load_tokenizer, resolve_device
     from ..hardware import native_dtype
     from .data import generate_data
 

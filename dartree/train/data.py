@@ -26,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 from ..errors import DartreeError
+from ..loading import LayerTap
 from ..prompts import code_prompt, instruction_prompt, math_prompt
 
 MBPP_TRAIN_IDS = set(range(511, 975)) | set(range(1, 11))  # 11..510 is MBPP's test split
@@ -85,33 +86,6 @@ class Sequence:
     prompt_len: int
 
 
-class _Capture:
-    """Forward hooks on the tapped layers and on the final norm, collecting every forward's outputs."""
-
-    def __init__(self, model, tapped: list[int]):
-        layers = model.model.layers
-        self.tapped = tapped
-        self.outputs: dict[str, torch.Tensor] = {}
-        self.hooks = [layers[i].register_forward_hook(self._hook(str(i))) for i in tapped]
-        self.hooks.append(model.model.norm.register_forward_hook(self._hook("final")))
-
-    def _hook(self, key):
-        def hook(_m, _i, output):
-            self.outputs[key] = output[0] if isinstance(output, tuple) else output
-
-        return hook
-
-    def pop(self) -> tuple[torch.Tensor, torch.Tensor]:
-        feats = torch.cat([self.outputs[str(i)] for i in self.tapped], dim=-1)
-        final = self.outputs["final"]
-        self.outputs.clear()
-        return feats, final
-
-    def close(self):
-        for h in self.hooks:
-            h.remove()
-
-
 @torch.no_grad()
 def target_features(model, tapped: list[int], tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Teacher-forced forward of one sequence [L]: tapped states [L, m*H] and final normed states [L, H].
@@ -119,12 +93,12 @@ def target_features(model, tapped: list[int], tokens: torch.Tensor) -> tuple[tor
     Row i belongs to position i; the drafter context at an anchor a is rows < a, and the target's
     next-token distribution after position i is lm_head(final[i]).
     """
-    cap = _Capture(model, tapped)
+    tap = LayerTap(model, tapped, final=True)
     try:
         model.model(input_ids=tokens[None].to(next(model.parameters()).device), use_cache=False)
-        feats, final = cap.pop()
+        feats, final = tap.pop()
     finally:
-        cap.close()
+        tap.close()
     return feats[0], final[0]
 
 

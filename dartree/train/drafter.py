@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..drafter import DrafterConfig, DrafterModel, DraftOutput, load_drafter, save_drafter
+from ..drafter import DrafterConfig, DrafterModel, DraftOutput
+from ..loading import load_drafter, save_drafter
 from ..errors import DartreeError
 from ..trees import DARTreeBuilder, TreeSettings
 from .data import Sequence, load_all_shards, target_features
@@ -436,7 +437,7 @@ def add_drafter_args(steps) -> None:
 
 def _run_train(args) -> int:
     from ..default_model import default_target_dir
-    from ..pipeline import load_target, resolve_device
+    from ..loading import load_target, resolve_device
 
     torch.manual_seed(0)
     device = resolve_device(args.device)
@@ -455,7 +456,7 @@ def _run_train(args) -> int:
         cfg.init_drafter = args.init_drafter
     prior = None
     if args.stage == "drafter" and cfg.draft_vocab and Path(args.prompts).is_dir() and not (Path(cfg.out) / "checkpoint").is_dir():
-        from ..pipeline import load_tokenizer
+        from ..loading import load_tokenizer
         from .data import reference_token_counts
 
         tokenizer = load_tokenizer(Path(args.target) if args.target else default_target_dir())
