@@ -17,16 +17,23 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dartree.bench.report import METHOD_ORDER, complete_prompts, summarise  # noqa: E402
-from dartree.bench.runner import read_records  # noqa: E402
+from dartree.bench.runner import RunConfig, read_records  # noqa: E402
 from dartree.decoding import STAGES  # noqa: E402
 
 
+CONFIGS: dict[str, RunConfig] = {}  # record key -> its typed configuration
+
+
 def budget_of(key: str) -> int | None:
-    return int(key.split("B=")[1].split("|")[0]) if "B=" in key else None
+    return CONFIGS[key].budget
+
+
+def method_of(key: str) -> str:
+    return CONFIGS[key].method
 
 
 def label(key: str) -> str:
-    return " ".join(p for p in key.split("|") if not p.startswith("T="))
+    return CONFIGS[key].label
 
 
 def main(replay_dir: str, decoded_dir: str) -> None:
@@ -37,8 +44,9 @@ def main(replay_dir: str, decoded_dir: str) -> None:
     replay_all = {(s.dataset, s.key): s for s in summarise(replayed)}
     replay_same = {(s.dataset, s.key): s for s in summarise([r for r in replayed if (r["dataset"], r["sample_id"]) in done])}
     dec = {(s.dataset, s.key): s for s in summarise(decoded)}
+    CONFIGS.update({r["key"]: RunConfig.from_record(r) for r in decoded + replayed})
     keys = list(dict.fromkeys(r["key"] for r in decoded + replayed))
-    keys.sort(key=lambda k: (METHOD_ORDER.index(k.split("|")[0]), budget_of(k) or 0))
+    keys.sort(key=lambda k: (METHOD_ORDER.index(method_of(k)), budget_of(k) or 0))
     datasets = sorted({r["dataset"] for r in replayed + decoded})
     mismatches = sum(r.get("matches_ar") is False for r in decoded)
     for d in datasets:
@@ -63,7 +71,7 @@ def print_mean_grid(keys: list[str], datasets: list[str], dec: dict, replay_all:
     """Method x budget: decoded tau / speedup over ar (replay tau), each the mean of the datasets.
     Chain methods have no budget and fill the first column."""
     budgets = sorted({budget_of(k) for k in keys if budget_of(k) is not None})
-    cell_key = {(k.split("|")[0], budget_of(k) or budgets[0]): k for k in keys if not k.startswith("ar|")}
+    cell_key = {(method_of(k), budget_of(k) or budgets[0]): k for k in keys if method_of(k) != "ar"}
     methods = list(dict.fromkeys(m for m, _ in cell_key))
 
     def mean(table, key, attr):
@@ -93,7 +101,7 @@ def print_where_time_goes(keys: list[str], datasets: list[str], dec: dict, decod
     for r in decoded:
         seconds = sum(t["decode_seconds"] for t in r["turns"])
         per_prompt[(r["dataset"], r["sample_id"], r["key"])] = sum(t["new_tokens"] for t in r["turns"]) / seconds
-    ar_key = next(k for k in keys if k.startswith("ar|"))
+    ar_key = next(k for k in keys if method_of(k) == "ar")
     round_stages = [stage for stage in STAGES if stage != "prefill"]  # prefill is outside the timed decode
     for d in datasets:
         ar_ms = 1000.0 / dec[(d, ar_key)].tokens_per_second

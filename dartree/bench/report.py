@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..errors import DartreeError
 from ..trees import METHODS
-from .runner import PEERS, read_records
+from .runner import PEERS, RunConfig, read_records
 
 STAGES = ("draft", "tree", "verify", "commit")
 
@@ -16,12 +16,7 @@ STAGES = ("draft", "tree", "verify", "commit")
 @dataclass
 class Summary:
     dataset: str
-    key: str
-    method: str
-    temperature: float
-    budget: int | None
-    width: int | None
-    beta: float | None
+    config: RunConfig
     samples: int = 0
     tau_macro: float = 0.0  # mean over samples of each sample's mean acceptance length
     tau_micro: float = 0.0  # committed tokens / rounds over all samples
@@ -32,6 +27,13 @@ class Summary:
     histogram: dict = field(default_factory=dict)
     mismatches: int = 0
 
+    key = property(lambda self: self.config.key)
+    method = property(lambda self: self.config.method)
+    temperature = property(lambda self: self.config.temperature)
+    budget = property(lambda self: self.config.budget)
+    width = property(lambda self: self.config.width)
+    beta = property(lambda self: self.config.beta)
+
 
 def summarise(records: list[dict]) -> list[Summary]:
     groups: dict[tuple, list[dict]] = defaultdict(list)
@@ -40,7 +42,7 @@ def summarise(records: list[dict]) -> list[Summary]:
     out = []
     for (dataset, key), rs in groups.items():
         r0 = rs[0]
-        s = Summary(dataset, key, r0["method"], r0["temperature"], r0.get("budget"), r0.get("width"), r0.get("beta"))
+        s = Summary(dataset, RunConfig.from_record(r0))
         s.samples = len(rs)
         per_sample, tokens, rounds, decode, new = [], 0, 0, 0.0, 0
         stages, hist = Counter(), Counter()
@@ -78,8 +80,7 @@ METHOD_ORDER = ("ar", *PEERS, *(m for m in METHODS if m != "ar"))  # the registr
 
 
 def _label(s: Summary) -> str:
-    """The configuration without its temperature, with spaces (a '|' would split a markdown cell)."""
-    return " ".join(p for p in s.key.split("|") if not p.startswith("T="))
+    return s.config.label
 
 
 def _order(s: Summary) -> tuple:

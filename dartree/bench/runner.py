@@ -53,6 +53,16 @@ class RunConfig:
         return "|".join(parts)
 
 
+    @property
+    def label(self) -> str:
+        """The configuration without its temperature, spaced (a '|' would split a markdown cell)."""
+        return " ".join(p for p in self.key.split("|") if not p.startswith("T="))
+
+    @classmethod
+    def from_record(cls, record: dict) -> "RunConfig":
+        """The typed configuration of a bench record (records carry every field beside their key)."""
+        return cls(**{name: record.get(name) for name in cls.__dataclass_fields__})
+
     def settings(self, max_new_tokens: int, seed: int | None = 0) -> GenerationSettings:
         return GenerationSettings(method=self.method, max_new_tokens=max_new_tokens, temperature=self.temperature,
                                   seed=seed, tree=self.tree_settings())
