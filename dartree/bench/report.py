@@ -122,10 +122,14 @@ def markdown(summaries: list[Summary], title: str = "dartree benchmark") -> str:
         for s in sorted(rows, key=lambda s: (s.dataset, _order(s))):
             st = s.stage_ms_per_round
             f = lambda x: f"{x:.2f}x" if x else "n/a"  # noqa: E731
+            tau = lambda x: f"{x:.2f}" if x else "–"  # noqa: E731  (peers such as HF generate have no rounds)
+            # Replay records time only the tree build: every stage they did not measure is "–".
+            stage = lambda k: f"{st[k]:.1f}" if k in st and (k == "tree" or s.tokens_per_second) else "–"  # noqa: E731
             lines.append(
-                f"| {s.dataset} | {_label(s)} | {s.samples} | {s.tau_macro:.2f} | {s.tau_micro:.2f} | {s.tokens_per_second:.1f} | "
+                f"| {s.dataset} | {_label(s)} | {s.samples} | {tau(s.tau_macro)} | {tau(s.tau_micro)} | "
+                f"{f'{s.tokens_per_second:.1f}' if s.tokens_per_second else '–'} | "
                 f"{f(s.speedup_vs_ar)} | {f(s.speedup_vs_hf)} | "
-                + " | ".join(f"{st.get(k, 0):.1f}" if st else "" for k in STAGES)
+                + " | ".join(stage(k) for k in STAGES)
                 + f" | {s.mismatches} |"
             )
         lines.append("")
