@@ -56,11 +56,17 @@ class GenerationStats:
 
 
 class _Timer:
-    def __init__(self):
+    """Per-stage wall time. On a GPU each lap first waits for the queued kernels, or a stage would be
+    charged with the work of the one before it."""
+
+    def __init__(self, device: torch.device | None = None):
+        self.sync = torch.cuda.synchronize if device is not None and device.type == "cuda" else None
         self.totals = defaultdict(float)
         self.mark = time.perf_counter()
 
     def lap(self, stage: str) -> None:
+        if self.sync is not None:
+            self.sync()
         now = time.perf_counter()
         self.totals[stage] += now - self.mark
         self.mark = now
@@ -92,7 +98,7 @@ def decode(
     stats = GenerationStats(method=builder.name)
     use_drafter = builder.uses_drafter
     target.capture = use_drafter and bool(target.tapped_layers)
-    timer = _Timer()
+    timer = _Timer(target.device)
 
     logits, features = target.prefill(prompt_ids)
     bonus = int(sampler(logits[None])[0])
