@@ -33,16 +33,29 @@ def add_tree_args(p: argparse.ArgumentParser) -> None:
     that read each one taken from the registry."""
     g = p.add_argument_group("tree settings")
     defaults = TreeSettings()
-    flags = {"budget": ("--budget", "-B"), "width": ("--width", "-W"), "top_k": ("--top-k", "-K"), "beta": ("--beta",)}
+    flags = {"budget": ("--budget", "-B"), "width": ("--width", "-W"), "top_k": ("--top-k", "-K"), "beta": ("--beta",),
+             "max_budget": ("--max-budget",)}
+    types = {"budget": budget_value, "width": int, "top_k": int, "beta": float, "max_budget": int}
     for name, names in flags.items():
-        readers = ", ".join(m for m, b in BUILDERS.items() if name in b.reads)
+        readers = ", ".join(m for m, b in BUILDERS.items() if name in b.reads or (name == "max_budget" and b.ranked))
         default = getattr(defaults, name)
-        g.add_argument(*names, dest=name, type=type(default), default=default,
+        g.add_argument(*names, dest=name, type=types[name], default=default,
                        help=f"{TreeSettings.HELP[name]} ({readers}; default {default})")
+
+
+def budget_value(text: str) -> int | str:
+    """--budget takes an integer or 'auto'."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
 
 
 def tree_settings(args) -> TreeSettings:
     """The validated TreeSettings of parsed --budget/--width/--top-k/--beta."""
-    return TreeSettings(budget=args.budget, width=args.width, top_k=args.top_k, beta=args.beta).validate()
+    return TreeSettings(budget=args.budget, width=args.width, top_k=args.top_k, beta=args.beta,
+                        max_budget=args.max_budget).validate()
 
 

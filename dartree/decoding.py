@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .budget import AdaptiveBudget
 from .drafter import DraftProposer
 from .heads import CorrectionHead
 from .target import TargetAdapter
@@ -92,9 +93,13 @@ def decode(
     proposer: DraftProposer | None = None,
     head: CorrectionHead | None = None,
     on_tokens: Callable[[list[int]], None] | None = None,
+    budget: AdaptiveBudget | None = None,
 ) -> tuple[list[int], GenerationStats]:
     """``on_tokens`` (optional) receives each round's newly committed tokens as soon as they are
-    verified, already cut at max_new_tokens and after a stop token: together they are the output."""
+    verified, already cut at max_new_tokens and after a stop token: together they are the output.
+
+    ``budget`` (optional) decides every round how much of the ranked tree to verify, or to take a
+    plain target step without drafting; without it every round verifies the builder's whole tree."""
     stats = GenerationStats(method=builder.name)
     use_drafter = builder.uses_drafter
     target.capture = use_drafter and bool(target.tapped_layers)
@@ -113,12 +118,15 @@ def decode(
     first_round = True
 
     while bonus not in stop_ids and len(output) < max_new_tokens:
-        if use_drafter:
+        if use_drafter and (budget is None or budget.speculate()):
             draft = proposer.draft(bonus, features, start)
+            features = None  # the drafter has every context row up to the bonus token now
             timer.lap("draft")
             if first_round:  # the first draft call also prefills the drafter: not decode time
                 decode_start = time.perf_counter()
             tree = builder.propose(draft, head)
+            if budget is not None:
+                tree = budget.cut(tree)
             timer.lap("tree")
         else:
             tree = DraftTree.empty(prompt_ids.device)
@@ -127,8 +135,10 @@ def decode(
         verified = verify(target, bonus, tree, sampler)
         timer.lap("verify")
 
-        if verified.features is not None:
-            features = verified.features
+        if budget is not None:
+            budget.observe(tree, verified.accepted_rows)
+        if verified.features is not None:  # rows the drafter has not seen yet (plain steps add up)
+            features = verified.features if features is None else torch.cat([features, verified.features])
         new_tokens = verified.tokens
         start += verified.acceptance_length
         bonus = verified.next_bonus

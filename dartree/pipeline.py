@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from .budget import AdaptiveBudget
+from .costmodel import CostModel, load_or_measure
 from .decoding import GenerationStats, decode
 from .drafter import DraftProposer, DrafterModel
 from .errors import require
@@ -39,11 +41,27 @@ class Pipeline:
         self.target = TargetAdapter(target_model, drafter.config.target_layer_ids if drafter else ())
         self.proposer = None
         self.head = None
+        self._cost_model: CostModel | None = None
+        self._budgets: dict[tuple, AdaptiveBudget] = {}
         if drafter is not None:
             self.proposer = DraftProposer(drafter, self.target.embed_tokens, self.target.lm_head)
             self.head = drafter.head
             if self.head is not None:
                 self.head.bind(self.target.embed_tokens, drafter.d2t)
+
+    def cost_model(self) -> CostModel:
+        """This machine's measured cost model for this pipeline (cached under .cache/costmodel)."""
+        if self._cost_model is None:
+            self._cost_model = load_or_measure(self)
+        return self._cost_model
+
+    def adaptive_budget(self, settings: GenerationSettings) -> AdaptiveBudget:
+        """The per-round budget policy of one method and its settings; its acceptance calibration
+        carries over from one generate call to the next."""
+        key = (settings.method, settings.tree, settings.temperature > 0)
+        if key not in self._budgets:
+            self._budgets[key] = AdaptiveBudget(self.cost_model(), max_depth=self.proposer.num_depths)
+        return self._budgets[key]
 
     @property
     def device(self) -> torch.device:
@@ -136,6 +154,7 @@ class Pipeline:
         max_new_tokens = settings.max_new_tokens
         sampler = settings.sampler(self.device)
         builder = settings.builder()
+        budget = self.adaptive_budget(settings) if settings.tree.auto and builder.ranked else None
         ids = self.encode(prompt, messages, input_ids)
         block = self.drafter.config.block_size if self.drafter is not None else 1
         check_context_length(self.model.config, ids.numel(), max_new_tokens, block)
@@ -149,7 +168,7 @@ class Pipeline:
             streamer.put(ids[None].cpu())
             on_tokens = lambda new: streamer.put(torch.tensor(new))  # noqa: E731
         tokens, stats = decode(self.target, builder, ids, max_new_tokens, stop, sampler, self.proposer, self.head,
-                               on_tokens)
+                               on_tokens, budget)
         if streamer is not None:
             streamer.end()
         text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -22,6 +22,24 @@ class DraftTree:
     tokens: torch.Tensor  # [N] long
     parents: torch.Tensor  # [N] long, row index of the parent (0 = root)
     depths: torch.Tensor  # [N] long, 1..D
+    # Optional, from the builders that rank their nodes (dartree): the drafter's path log-probability
+    # of each node and the nodes best first, such that every prefix of the ranking is a valid tree.
+    log_probs: torch.Tensor | None = None  # [N]
+    rank: torch.Tensor | None = None  # [N] node indices
+
+    def prefix(self, size: int) -> "DraftTree":
+        """The tree of the ``size`` best-ranked nodes (parents always rank before their children)."""
+        if self.rank is None:
+            raise DartreeError("this tree carries no ranking; only ranked trees (dartree) can be cut to a prefix")
+        if size >= len(self):
+            return self
+        keep = self.rank[:size].sort().values
+        cut = subtree(self.tokens, self.parents, self.depths, keep)
+        cut.log_probs = self.log_probs[keep] if self.log_probs is not None else None
+        positions = torch.full((len(self),), -1, dtype=torch.long, device=keep.device)
+        positions[keep] = torch.arange(keep.numel(), device=keep.device)
+        cut.rank = positions[self.rank[:size]]
+        return cut
 
     def __len__(self) -> int:
         return self.tokens.numel()
@@ -63,20 +81,33 @@ class TreeSettings:
     """The tree settings and their defaults (the paper's), in one place; each builder declares which
     of them it reads (``TreeBuilder.reads``)."""
 
-    budget: int = 64  # B: tree nodes verified per round, root not counted
+    budget: int | str = "auto"  # B: tree nodes verified per round, root not counted; "auto": per round (budget.py)
     width: int = 12  # W: branches kept per depth (dartree)
     top_k: int = 64  # K: candidate tokens per depth (dartree, heap)
     beta: float = -0.2  # depth bonus of the final top-B (dartree, heap)
+    max_budget: int = 64  # with budget "auto": the tree is built at this size and cut per round
 
     HELP = {
-        "budget": "tree nodes verified per round, root excluded",
+        "budget": "tree nodes verified per round, root excluded, or 'auto' (chosen every round from the measured cost model)",
+        "max_budget": "with --budget auto: the largest tree built each round",
         "width": "branches kept per depth",
         "top_k": "candidate tokens per depth",
         "beta": "depth bonus of the final top-B, must be <= 0",
     }
 
+    @property
+    def auto(self) -> bool:
+        return self.budget == "auto"
+
+    @property
+    def build_budget(self) -> int:
+        """The size builders build at: the budget, or ``max_budget`` when the budget is chosen per round."""
+        return self.max_budget if self.auto else self.budget
+
     def validate(self) -> "TreeSettings":
-        for name in ("budget", "width", "top_k"):
+        if isinstance(self.budget, str) and self.budget != "auto":
+            raise DartreeError(f"budget must be an integer >= 1 or 'auto', got {self.budget!r}")
+        for name in ("width", "top_k", "max_budget") + (() if self.auto else ("budget",)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise DartreeError(f"{name} must be an integer >= 1, got {value!r}")
@@ -103,13 +134,14 @@ def best_first_marginals(logprobs: torch.Tensor, budget: int) -> DraftTree:
     k = min(budget, logprobs.shape[1])
     top_lp, top_ids = logprobs.topk(k, dim=-1)
     lp, ids = top_lp.tolist(), top_ids.tolist()
-    tokens, parents, depths = [], [], []
+    tokens, parents, depths, scores = [], [], [], []
     # (-score, tie, parent row, depth, rank, parent score)
     heap = [(-lp[0][0], 0, 0, 1, 0, 0.0)]
     tie = 1
     while heap and len(tokens) < budget:
         _, _, parent, depth, rank, parent_score = heapq.heappop(heap)
         score = parent_score + lp[depth - 1][rank]
+        scores.append(score)
         tokens.append(ids[depth - 1][rank])
         parents.append(parent)
         depths.append(depth)
@@ -122,7 +154,15 @@ def best_first_marginals(logprobs: torch.Tensor, budget: int) -> DraftTree:
             child = score + lp[depth][0]
             heapq.heappush(heap, (-child, tie, row, depth + 1, 0, score))
             tie += 1
-    return DraftTree.from_lists(tokens, parents, depths, device=logprobs.device)
+    return ranked_by_pop_order(DraftTree.from_lists(tokens, parents, depths, device=logprobs.device), scores)
+
+
+def ranked_by_pop_order(tree: DraftTree, scores: list[float]) -> DraftTree:
+    """A best-first heap pops parents before children and better nodes first: its pop order is a
+    ranking whose every prefix is a valid tree."""
+    tree.log_probs = torch.tensor(scores, dtype=torch.float64, device=tree.tokens.device)
+    tree.rank = torch.arange(len(tree), device=tree.tokens.device)
+    return tree
 
 
 def corrected_chain_logits(draft, head: CorrectionHead) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,6 +236,7 @@ class TreeBuilder:
     uses_drafter = True  # False: no drafter call at all (plain decoding)
     needs_head = False  # True: needs a correction head (Domino or Markov)
     reads: tuple[str, ...] = ()  # the TreeSettings fields this method uses
+    ranked = False  # True: its trees carry a ranking whose prefixes are trees (budget "auto" cuts them)
 
     def __init__(self, settings: TreeSettings):
         self.settings = settings
@@ -208,7 +249,7 @@ class TreeBuilder:
         """The tree over target ids, ready to verify."""
         tree = self.build(draft, head)
         if getattr(draft, "d2t", None) is not None and len(tree):
-            tree = DraftTree(draft.to_target(tree.tokens), tree.parents, tree.depths)
+            tree = replace(tree, tokens=draft.to_target(tree.tokens))
         return tree
 
 
@@ -244,21 +285,23 @@ class DominoBuilder(TreeBuilder):
 @register
 class DDTreeBuilder(TreeBuilder):
     name = "ddtree"
+    ranked = True
     reads = ("budget",)
 
     def build(self, draft, head):
-        return best_first_marginals(draft.base_logits.log_softmax(-1), self.settings.budget)
+        return best_first_marginals(draft.base_logits.log_softmax(-1), self.settings.build_budget)
 
 
 @register
 class DominoDDTreeBuilder(TreeBuilder):
     name = "domino-ddtree"
+    ranked = True
     needs_head = True
     reads = ("budget",)
 
     def build(self, draft, head):
         _, logits = corrected_chain_logits(draft, head)
-        return best_first_marginals(logits.log_softmax(-1), self.settings.budget)
+        return best_first_marginals(logits.log_softmax(-1), self.settings.build_budget)
 
 
 def candidate_tables(draft, top_k: int) -> torch.Tensor:
@@ -276,6 +319,7 @@ class HeapBuilder(TreeBuilder):
     """
 
     name = "heap"
+    ranked = True
     needs_head = True
     reads = ("budget", "top_k", "beta")
 
@@ -296,12 +340,13 @@ class HeapBuilder(TreeBuilder):
         expanded = {0: (root_lps, root_toks, root_state)}
         # entries: (-(score + beta * depth), tie, parent row, depth, rank among the parent's children, parent score)
         heap = [(-(root_lps[0] + s.beta), 0, 0, 1, 0, 0.0)]
-        tokens, parents, depths = [], [], []
+        tokens, parents, depths, scores = [], [], [], []
         tie = 1
-        while heap and len(tokens) < s.budget:
+        while heap and len(tokens) < s.build_budget:
             _, _, parent, depth, rank, parent_score = heapq.heappop(heap)
             lps, toks, parent_state = expanded[parent]
             token, score = toks[rank], parent_score + lps[rank]
+            scores.append(score)
             tokens.append(token)
             parents.append(parent)
             depths.append(depth)
@@ -317,7 +362,7 @@ class HeapBuilder(TreeBuilder):
                 child = score + child_lps[0]
                 heapq.heappush(heap, (-(child + s.beta * (depth + 1)), tie, row, depth + 1, 0, score))
                 tie += 1
-        return DraftTree.from_lists(tokens, parents, depths, device=cands.device)
+        return ranked_by_pop_order(DraftTree.from_lists(tokens, parents, depths, device=cands.device), scores)
 
 
 @dataclass
@@ -378,14 +423,21 @@ class DARTreeBuilder(TreeBuilder):
     """DARTree (pruned): beam of width W per depth, then one deferred global top-B on score + beta*depth."""
 
     name = "dartree"
+    ranked = True
     needs_head = True
     reads = ("budget", "width", "top_k", "beta")
 
     def build(self, draft, head):
         s = self.settings
-        st = grow_supertree(draft, head, s.top_k, lambda slot, placed: s.width, budget=s.budget, beta=s.beta)
-        keep = select_top_b(st.scores + s.beta * st.depths.to(st.scores.dtype), st.parents, s.budget)
-        return subtree(st.tokens, st.parents, st.depths, keep)
+        st = grow_supertree(draft, head, s.top_k, lambda slot, placed: s.width, budget=s.build_budget, beta=s.beta)
+        prune = st.scores + s.beta * st.depths.to(st.scores.dtype)
+        keep = select_top_b(prune, st.parents, s.build_budget)
+        tree = subtree(st.tokens, st.parents, st.depths, keep)
+        # The deferred top-B order itself: every prefix is the top-b tree (Lemma 1; ties to the smaller
+        # row, which is the parent), so a per-round budget can cut the tree without rebuilding it.
+        tree.log_probs = st.scores[keep]
+        tree.rank = torch.sort(prune[keep], descending=True, stable=True).indices
+        return tree
 
 
 @register
@@ -397,7 +449,7 @@ class DARTreeFixedBuilder(TreeBuilder):
     reads = ("budget", "top_k")
 
     def build(self, draft, head):
-        budget = self.settings.budget
+        budget = self.settings.build_budget
         depth_count = draft.base_logits.shape[0]
 
         def quota(slot, placed):

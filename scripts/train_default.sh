@@ -1,12 +1,20 @@
 #!/usr/bin/env bash
-# Reproduce the drafters shipped in dartree/assets/ for SmolLM2-135M-Instruct (2-core CPU recipe).
-# Each step resumes from its checkpoint when run again; --max-minutes stops a step cleanly.
+# Reproduce the drafters shipped in dartree/assets/ for SmolLM2-135M-Instruct (CPU recipe; one thread
+# by default so a second job can share a 2-core machine). Every step resumes from its checkpoint when
+# run again and --max-minutes stops a step cleanly, so the recipe spreads over several sessions:
+# the data set grows shard by shard (shards are committed in data/), training resumes from runs/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
-.venv/bin/dartree train data --prompts ../shared/prompts --out runs/data \
-    --num-prompts 1536 --batch-size 48 --max-new-tokens 256 --max-minutes "${DATA_MINUTES:-24}"
-.venv/bin/dartree train drafter --data runs/data --out runs/drafter --steps "${DRAFTER_STEPS:-900}" \
-    --max-minutes "${DRAFTER_MINUTES:-40}" --export dartree/assets/smollm2-drafter-domino
-.venv/bin/dartree train markov --data runs/data --out runs/markov --init-drafter runs/drafter/checkpoint \
-    --steps "${MARKOV_STEPS:-300}" --max-minutes "${MARKOV_MINUTES:-12}" --export dartree/assets/smollm2-drafter-markov
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+DATA=${DATA:-data/smollm2-selfdistill}
+# 1. The target writes responses to every training prompt (greedy, 1 shard in 4 at T=1), token ids only.
+.venv/bin/dartree train data --prompts ../shared/prompts --out "$DATA" --batch-size 64 --max-new-tokens 256 \
+    --max-minutes "${DATA_MINUTES:-50}"
+# 2. Drafter + Domino head: reduced draft vocabulary, base-logit loss at every depth, 64 anchors per sequence.
+.venv/bin/dartree train drafter --data "$DATA" --out runs/drafter-v2 --steps "${DRAFTER_STEPS:-6000}" \
+    --draft-vocab 8192 --anchors 64 --seqs-per-step 1 --eval-every 200 \
+    --max-minutes "${DRAFTER_MINUTES:-95}" --export dartree/assets/smollm2-drafter-domino
+# 3. Markov head on the frozen backbone.
+.venv/bin/dartree train markov --data "$DATA" --out runs/markov-v2 --init-drafter runs/drafter-v2/checkpoint \
+    --steps "${MARKOV_STEPS:-300}" --anchors 64 --seqs-per-step 1 --max-minutes "${MARKOV_MINUTES:-12}" \
+    --export dartree/assets/smollm2-drafter-markov

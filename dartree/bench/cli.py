@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
-from ..cliargs import add_threads_arg, add_tree_args, tree_settings
-from ..hardware import set_threads
+from ..cliargs import add_threads_arg, add_tree_args, budget_value, tree_settings
 from ..errors import DartreeError
+from ..hardware import set_threads
 from ..trees import METHODS, TreeSettings
 from .datasets import DATASETS
 from .runner import PEERS
@@ -45,6 +47,7 @@ def _run_bench_tree(args) -> int:
     from .tree_timing import format_table, time_tree_builders
 
     settings = tree_settings(args)
+    settings = replace(settings, budget=settings.build_budget)  # bench-tree times one fixed size
     set_threads(args.threads)
     try:
         sizes = [tuple(int(x) for x in item.lower().split("x")) for item in args.sizes.split(",")]
@@ -90,7 +93,8 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--datasets", default="gsm8k,humaneval", help=f"comma list from {','.join(DATASETS)} or 'all'")
     p.add_argument("--methods", default=DEFAULT_METHODS, help="comma list of methods and peers (hf-generate, hf-prompt-lookup)")
     p.add_argument("--temperatures", default="0", help="comma list, e.g. 0,1 (default 0)")
-    p.add_argument("--budgets", default="16,32,64", help="tree budgets for the tree methods (default 16,32,64)")
+    p.add_argument("--budgets", default="16,32,64",
+                   help="tree budgets for the tree methods, integers or 'auto' (chosen per round; decoded runs only) (default 16,32,64)")
     p.add_argument("--widths", default=str(TreeSettings.width), help="dartree widths W, e.g. 1,2,4,8,12,16 for the ablation")
     p.add_argument("--betas", default=str(TreeSettings.beta), help="depth bonuses for dartree/heap, each <= 0")
     p.add_argument("--top-k", type=int, default=TreeSettings.top_k, help=f"candidate tokens per depth K (default {TreeSettings.top_k})")
@@ -116,6 +120,13 @@ def _floats(text, name):
         return [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise DartreeError(f"--{name} takes comma-separated numbers, got {text!r}") from None
+
+
+def _budgets(text):
+    try:
+        return [budget_value(x.strip()) for x in text.split(",") if x.strip()]
+    except argparse.ArgumentTypeError:
+        raise DartreeError(f"--budgets takes comma-separated integers or 'auto', got {text!r}") from None
 
 
 def _ints(text, name):
@@ -162,13 +173,15 @@ def run_bench(args) -> int:
         if m not in METHODS and m not in PEERS:
             raise DartreeError(f"unknown method {m!r}; choose from {', '.join(METHODS + PEERS)}")
     temps = _floats(args.temperatures, "temperatures")
-    budgets, widths, betas = _ints(args.budgets, "budgets"), _ints(args.widths, "widths"), _floats(args.betas, "betas")
+    budgets, widths, betas = _budgets(args.budgets), _ints(args.widths, "widths"), _floats(args.betas, "betas")
     grid = build_grid(methods, temps, budgets, widths, betas, args.top_k)
     for c in grid:  # the same checks as generate's, before the model loads
         if c.method not in PEERS:
             c.settings(args.max_new_tokens, args.seed).validate()
     shard_index, shard_count = parse_shard(args.shard)
     set_threads(args.threads)
+    if args.replay and "auto" in budgets:
+        raise DartreeError("--replay replays fixed budgets; budget 'auto' decides from measured times, so decode it (drop --replay)")
     if args.replay and temps != [0.0]:
         raise DartreeError("--replay measures temperature 0 only; drop --temperatures")
     pipe = dartree.load(args.target, args.drafter, dtype=args.dtype, threads=args.threads)

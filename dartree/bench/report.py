@@ -85,7 +85,8 @@ def _label(s: Summary) -> str:
 
 def _order(s: Summary) -> tuple:
     rank = METHOD_ORDER.index(s.method) if s.method in METHOD_ORDER else len(METHOD_ORDER)
-    return (rank, s.budget or 0, s.width or 0, -(s.beta or 0.0))
+    budget = 10**9 if s.budget == "auto" else (s.budget or 0)  # the per-round budget after the fixed ones
+    return (rank, budget, s.width or 0, -(s.beta or 0.0))
 
 
 def markdown(summaries: list[Summary], title: str = "dartree benchmark") -> str:
@@ -177,7 +178,7 @@ def plots(summaries: list[Summary], out_dir: Path) -> list[Path]:
             pts = defaultdict(list)
             for s in t0:
                 v = value(s)
-                if s.method == m and s.budget is not None and v and s.width in (None, 12) and s.beta in betas:
+                if s.method == m and isinstance(s.budget, int) and v and s.width in (None, 12) and s.beta in betas:
                     pts[s.budget].append(v)
             if len(pts) >= min_points:
                 bs = sorted(pts)

@@ -69,7 +69,8 @@ class RunConfig:
 
     def tree_settings(self) -> TreeSettings:
         """The full TreeSettings of this configuration (defaults where the method reads nothing)."""
-        return TreeSettings(**{k: getattr(self, k) for k in TreeSettings.__dataclass_fields__ if getattr(self, k) is not None})
+        names = set(TreeSettings.__dataclass_fields__) & set(RunConfig.__dataclass_fields__)
+        return TreeSettings(**{k: getattr(self, k) for k in names if getattr(self, k) is not None})
 
 
 def build_grid(methods, temperatures, budgets, widths=(TreeSettings.width,), betas=(TreeSettings.beta,),

@@ -1,0 +1,162 @@
+"""The per-round budget: ranked prefixes, the choice on synthetic cost models, losslessness."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import FAMILIES, VOCAB, hf_greedy
+from dartree.budget import AdaptiveBudget
+from dartree.costmodel import CostModel
+from dartree.drafter import DraftOutput
+from dartree.heads import DominoHead
+from dartree.trees import DraftTree, TreeSettings, make_builder
+
+
+def synthetic_cost(one_row_ms: float, per_row_ms: float, draft_ms: float = 0.0, tree_ms: float = 0.0) -> CostModel:
+    """t_verify(n) = one_row + per_row * (n - 1)."""
+    return CostModel({"machine": "synthetic"}, 256, {n: one_row_ms + per_row_ms * (n - 1) for n in (1, 2, 4, 8, 16, 32, 64, 128)},
+                     draft_ms, tree_ms)
+
+
+def ranked_tree(probs: list[float]) -> DraftTree:
+    """A chain whose node i is accepted with probability probs[i] (already a path probability)."""
+    tree = DraftTree.chain(torch.arange(len(probs)))
+    tree.log_probs = torch.tensor(probs, dtype=torch.float64).log()
+    tree.rank = torch.arange(len(probs))
+    return tree
+
+
+def random_draft(seed, depths=6, vocab=40, hidden=16):
+    g = torch.Generator().manual_seed(seed)
+    head = DominoHead(hidden, 12, 8, vocab, pure_prefix=1)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    embed = torch.nn.Embedding(vocab, hidden)
+    head.bind(embed)
+    draft = DraftOutput(bonus=1, hidden=torch.randn(depths, hidden, generator=g), base_logits=3 * torch.randn(depths, vocab, generator=g))
+    return draft, head
+
+
+def test_cost_model_interpolates_and_extrapolates():
+    cost = synthetic_cost(10.0, 1.0)
+    assert cost.verify(1) == 10.0 and cost.verify(3) == 12.0 and cost.verify(100) == pytest.approx(109.0)
+    assert cost.verify(200) == pytest.approx(209.0)
+    assert CostModel.from_json(cost.to_json()).verify_ms == cost.verify_ms
+
+
+def test_a_cheap_verify_takes_a_large_budget_and_an_expensive_one_a_small_one():
+    tree = ranked_tree([0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2] + [0.1] * 24)
+    cheap = AdaptiveBudget(synthetic_cost(10.0, 0.01))  # a GPU-like staircase: extra rows are nearly free
+    assert cheap.choose(tree).nodes == len(tree)
+    middling = AdaptiveBudget(synthetic_cost(10.0, 2.0))
+    chosen = middling.choose(tree).nodes
+    assert 1 <= chosen < 12
+    # the choice is the global argmax of expected tokens per ms over every prefix
+    rates = [(1 + sum([0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2][:b] + [0.1] * max(0, b - 8))) / (10.0 + 2.0 * b)
+             for b in range(1, len(tree) + 1)]
+    assert chosen == 1 + max(range(len(rates)), key=rates.__getitem__)
+
+
+def test_an_expensive_verify_or_a_hopeless_draft_takes_plain_steps():
+    tree = ranked_tree([0.9, 0.8, 0.7])
+    assert AdaptiveBudget(synthetic_cost(10.0, 20.0)).choose(tree).nodes == 0
+    assert AdaptiveBudget(synthetic_cost(10.0, 0.5)).choose(ranked_tree([0.01, 0.001])).nodes == 0
+    # a costly drafter call alone can make speculation lose
+    assert AdaptiveBudget(synthetic_cost(10.0, 0.1, draft_ms=30.0)).choose(tree).nodes == 0
+
+
+def test_plain_steps_then_a_probe():
+    policy = AdaptiveBudget(synthetic_cost(10.0, 20.0), probe_every=3)
+    assert len(policy.cut(ranked_tree([0.9, 0.8]))) == 0  # speculation loses: verify the root alone
+    assert [policy.speculate() for _ in range(4)] == [False, False, False, True]  # then 3 plain steps, then a probe
+
+
+def test_calibration_learns_from_acceptances():
+    policy = AdaptiveBudget(synthetic_cost(10.0, 1.0), prior=1.0)
+    tree = ranked_tree([0.5, 0.25])
+    for _ in range(20):
+        policy.observe(tree, [0])  # nothing is ever accepted
+    assert policy.probabilities(tree).max() < 0.05
+    for _ in range(200):
+        policy.observe(tree, [0, 1, 2])  # everything is
+    assert policy.probabilities(tree).min() > 0.85
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), budget=st.integers(1, 40), method=st.sampled_from(["dartree", "ddtree", "heap"]))
+def test_every_prefix_of_a_ranked_tree_is_the_tree_of_that_budget(seed, budget, method):
+    """dartree's ranking is its deferred top-B order: the best b nodes of the B=48 tree are exactly
+    the tree it builds with budget b. The heaps' pop order has the same property."""
+    draft, head = random_draft(seed)
+    big = make_builder(method, TreeSettings(budget=48, width=6, top_k=8)).build(draft, head)
+    small = make_builder(method, TreeSettings(budget=budget, width=6, top_k=8)).build(draft, head)
+    cut = big.prefix(budget)
+    assert cut.paths() == small.paths()
+    parents = cut.parents.tolist()
+    assert all(p <= i for i, p in enumerate(parents))  # parents come before children (row p <= node row i + 1)
+    ranked_first = set()
+    for node in cut.rank.tolist():  # every prefix of the cut's own ranking is a tree too
+        assert parents[node] == 0 or parents[node] - 1 in ranked_first
+        ranked_first.add(node)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("method", ["dartree", "ddtree", "heap", "domino-ddtree"])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=6), per_row=st.sampled_from([0.0, 0.3, 3.0]))
+def test_auto_budget_is_lossless_with_switches_to_plain_steps(pipelines, family, method, prompt, per_row):
+    """budget='auto' with synthetic cost models that make rounds cheap (large trees), middling, or
+    costly (plain steps with probes in between): the output is greedy decoding, token for token."""
+    pipe = pipelines[(family, "domino")]
+    pipe._cost_model = synthetic_cost(1.0, per_row)
+    pipe._budgets.clear()
+    got = pipe.generate(input_ids=prompt, method=method, max_new_tokens=24, budget="auto", stop_token_ids=[])
+    assert got.token_ids == hf_greedy(pipe.model, prompt, 24)
+    history = next(iter(pipe._budgets.values())).history
+    if per_row == 3.0:
+        assert 0 in history  # plain steps were taken
+    if per_row == 0.0:
+        assert max(history) > 1  # large trees were verified
+
+
+def test_auto_budget_switches_mid_generation_and_stays_exact(pipelines):
+    """Start with a cost model under which speculation pays, then make verification expensive in the
+    middle of a generation: the policy moves to plain steps, and the output is still greedy."""
+    pipe = pipelines[("llama", "domino")]
+    pipe._budgets.clear()
+    pipe._cost_model = synthetic_cost(1.0, 0.0)
+    calls = {"n": 0}
+    policy_cut = AdaptiveBudget.cut
+
+    def cut_then_get_expensive(self, tree):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            self.cost = synthetic_cost(1.0, 50.0)
+        return policy_cut(self, tree)
+
+    AdaptiveBudget.cut = cut_then_get_expensive
+    try:
+        for prompt in ([1, 2, 3], [5], [0, 7, 7, 1]):
+            pipe._budgets.clear()
+            pipe._cost_model = synthetic_cost(1.0, 0.0)
+            calls["n"] = 0
+            got = pipe.generate(input_ids=prompt, method="dartree", max_new_tokens=30, budget="auto", stop_token_ids=[])
+            history = next(iter(pipe._budgets.values())).history
+            assert got.token_ids == hf_greedy(pipe.model, prompt, 30)
+            assert max(history[:2]) > 1 and 0 in history[3:]
+    finally:
+        AdaptiveBudget.cut = policy_cut
+    pipe._cost_model = None
+    pipe._budgets.clear()
+
+
+def test_native_dtype_follows_the_cpu_flags(monkeypatch):
+    from dartree import hardware
+
+    monkeypatch.setattr(hardware, "cpu_info", lambda: ("Intel Xeon", frozenset({"avx2", "amx_bf16", "avx512_bf16"})))
+    assert hardware.native_dtype("cpu") == torch.bfloat16
+    monkeypatch.setattr(hardware, "cpu_info", lambda: ("AMD EPYC", frozenset({"avx2", "fma"})))
+    assert hardware.native_dtype("cpu") == torch.float32
+    assert "AMD EPYC" in hardware.describe_machine()
