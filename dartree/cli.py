@@ -43,6 +43,21 @@ def build_parser() -> argparse.ArgumentParser:
     add_tree_args(gen)
     gen.set_defaults(func=_run_generate)
 
+    cal = sub.add_parser(
+        "calibrate",
+        help="measure this machine's cost model (target forwards by rows, drafter call, tree build) and show it",
+        description="Time a target forward over 1, 2, 3, 4, 6, ... 128 rows at a given context, one drafter call and "
+        "one dartree tree build, print them as a table (with the tau a round needs to break even) and draw them. "
+        "The result is cached per target, drafter, device, dtype, threads and CPU; budget='auto' uses it.",
+    )
+    add_model_args(cal)
+    add_threads_arg(cal)
+    cal.add_argument("--context", type=int, default=256, help="context length the forwards are appended to (default 256)")
+    cal.add_argument("--remeasure", action="store_true", help="measure again even when a cached cost model exists")
+    cal.add_argument("--plot", default="cost_model.png", help="where to draw the cost curve (default cost_model.png)")
+    cal.add_argument("--json", action="store_true", help="print the cost model as JSON")
+    cal.set_defaults(func=_run_calibrate)
+
     from .bench.cli import add_bench_parser, add_bench_tree_parser
     from .train.cli import add_train_parser
 
@@ -89,6 +104,22 @@ def _run_generate(args) -> int:
             f"verify {s.stage_ms['verify']:.0f} ms, commit {s.stage_ms['commit']:.0f} ms)",
             file=sys.stderr,
         )
+    return 0
+
+
+def _run_calibrate(args) -> int:
+    import dartree
+
+    from .costmodel import load_or_measure
+
+    if args.context < 1:
+        raise DartreeError(f"--context must be >= 1, got {args.context}")
+    set_threads(args.threads)
+    pipe = dartree.load(args.target, args.drafter, dtype=args.dtype, device=args.device, threads=args.threads)
+    cost = load_or_measure(pipe, args.context, remeasure=args.remeasure)
+    print(cost.to_json() if args.json else cost.table())
+    if args.plot:
+        print(f"\ncost curve drawn in {cost.plot(args.plot)}", file=sys.stderr)
     return 0
 
 

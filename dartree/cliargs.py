@@ -19,7 +19,8 @@ class OneLineErrorParser(argparse.ArgumentParser):
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="target model directory (any Hugging Face causal LM); default: bundled SmolLM2-135M-Instruct")
     p.add_argument("--drafter", help="drafter directory in the DFlash on-disk format; default: the drafter shipped with dartree")
-    p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16 or float64")
+    p.add_argument("--dtype", default="auto",
+                   help="auto (default: float32 on a CPU, exact; bfloat16 on a GPU), float32, bfloat16, float16 or float64")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N, or auto (a GPU when there is one)")
 
 

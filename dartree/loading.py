@@ -18,13 +18,18 @@ from .errors import CheckpointError, DartreeError, require
 # ---------------------------------------------------------------- dtypes and devices
 
 
-def parse_dtype(dtype) -> torch.dtype:
+def parse_dtype(dtype, device=None) -> torch.dtype:
+    """A torch dtype from a name; "auto" is ``hardware.default_dtype`` of the device."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == "auto":
+        from .hardware import default_dtype
+
+        return default_dtype(device if device is not None else "cpu")
     names = {"float32": torch.float32, "fp32": torch.float32, "float64": torch.float64, "fp64": torch.float64,
              "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
     if dtype not in names:
-        raise DartreeError(f"unknown dtype {dtype!r}; use one of {', '.join(names)}")
+        raise DartreeError(f"unknown dtype {dtype!r}; use auto or one of {', '.join(names)}")
     return names[dtype]
 
 

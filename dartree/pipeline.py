@@ -175,16 +175,17 @@ class Pipeline:
         return GenerationResult(token_ids=tokens, text=text, stats=stats)
 
 
-def load(target: str | Path | None = None, drafter: str | Path | None = None, dtype=torch.float32, device="cpu",
+def load(target: str | Path | None = None, drafter: str | Path | None = None, dtype="auto", device="cpu",
          threads: int | None = None) -> Pipeline:
     """Load a target (any HF causal LM directory) and a DFlash-format drafter.
 
     With no arguments: the bundled default model (SmolLM2-135M-Instruct) with the drafter shipped
     in this repository, fully offline. ``threads``: CPU threads for torch (default: the physical
-    cores); it sets torch's process-wide thread count.
+    cores); it sets torch's process-wide thread count. ``dtype="auto"``: float32 on a CPU (exact),
+    bfloat16 on a GPU.
     """
-    dtype = parse_dtype(dtype)
     device = resolve_device(device)
+    dtype = parse_dtype(dtype, device)
     set_threads(threads)
     if target is None:
         from .default_model import default_drafter_dir, default_target_dir

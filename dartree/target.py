@@ -76,10 +76,18 @@ class TargetAdapter:
         tokens [n], depths [n] (root depth 0), mask: additive [1, 1, n, past + n], or None for a
         single root token (plain autoregressive step). Returns logits [n, V] and features [n, m*H].
         """
+        hidden, features = self.forward_tree_hidden(tokens, depths, mask)
+        return self.lm_head(hidden), features
+
+    @torch.no_grad()
+    def forward_tree_hidden(self, tokens: torch.Tensor, depths: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``forward_tree`` without the output layer: final-normed states [n, H] (``lm_head`` of a row
+        gives its logits), so that verification pays the output layer only for rows it visits."""
         start = self.cache_length
         positions = (start + depths)[None]
-        out = self.model(input_ids=tokens[None], position_ids=positions, attention_mask=mask, cache=self.cache, use_cache=True)
-        return out.logits[0], self._features()
+        out = self.model.model(input_ids=tokens[None], position_ids=positions, attention_mask=mask, cache=self.cache,
+                               use_cache=True)
+        return out.last_hidden_state[0], self._features()
 
     def tree_mask(self, visibility: torch.Tensor) -> torch.Tensor:
         """Additive mask [1, 1, n, past + n] from a boolean ancestor matrix [n, n]."""

@@ -13,6 +13,7 @@ is therefore a draw from the target given the committed prefix.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -36,20 +37,6 @@ def ancestor_matrix(tree: DraftTree) -> torch.Tensor:
         rows = torch.nonzero(tree.depths == depth).flatten() + 1
         vis[rows] |= vis[tree.parents[rows - 1]]
     return vis
-
-
-def follow_tree(tree: DraftTree, choices: torch.Tensor) -> tuple[list[int], int]:
-    """Walk from the root along children that match the target's choice at each node.
-
-    choices [N+1]: the target's token at every tree row. Returns the accepted rows (root first) and
-    the next bonus token (the target's choice at the last accepted row).
-    """
-    picked = choices.tolist()
-    children = {(p, t): i + 1 for i, (p, t) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist()))}
-    accepted = [0]
-    while (child := children.get((accepted[-1], picked[accepted[-1]]))) is not None:
-        accepted.append(child)
-    return accepted, picked[accepted[-1]]
 
 
 @dataclass
@@ -76,12 +63,57 @@ def verify(target: "TargetAdapter", root: int, tree: DraftTree, sampler: "Sample
     start = target.cache_length
     tokens, depths = tree.rows(root)
     mask = target.tree_mask(ancestor_matrix(tree)) if len(tree) else None
-    logits, row_features = target.forward_tree(tokens, depths, mask)
-    accepted, next_bonus = follow_tree(tree, sampler(logits))
+    hidden, row_features = target.forward_tree_hidden(tokens, depths, mask)
+    accepted, next_bonus = walk(tree, lambda rows: sampler(target.lm_head(hidden[rows])).tolist())
     keep = torch.tensor(accepted, device=tokens.device)
     target.compact(start, keep)
     features = row_features.index_select(0, keep) if row_features is not None else None
     return Verified(accepted, tokens[keep[1:]].tolist() + [next_bonus], next_bonus, features)
+
+
+def likely_path(tree: DraftTree, row: int, children_of: dict[int, list[int]]) -> list[int]:
+    """Rows from ``row`` down the tree, each step to the child the drafter ranks best (the first
+    child when the tree carries no scores): where the walk most likely goes."""
+    path = [row]
+    scores = tree.log_probs.tolist() if tree.log_probs is not None else None
+    while children_of.get(path[-1]):
+        kids = children_of[path[-1]]
+        path.append(max(kids, key=lambda r: scores[r - 1]) if scores is not None else kids[0])
+    return path
+
+
+def walk(tree: DraftTree, choose: Callable[[list[int]], list[int]]) -> tuple[list[int], int]:
+    """The walk: from the root, follow the child carrying the target's choice at each row.
+
+    ``choose(rows)`` returns the target's choices at those rows. The walk asks for the drafter's most
+    likely path first and, only when the target leaves it, for the likely path of the new branch:
+    the output layer over every row of a tree costs as much as several target layers on a CPU, yet
+    the walk visits about tau rows. Each row's choice depends only on its own logits and is used only
+    after its ancestors' choices led there, so asking lazily changes nothing (exactly at T = 0; at
+    T > 0 each used draw is still an independent sample of the target at that row).
+
+    Returns the accepted rows (root first) and the next bonus token (the choice at the last one)."""
+    children_of: dict[int, list[int]] = {}
+    children: dict[tuple[int, int], int] = {}
+    for i, (p, t) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist())):
+        children_of.setdefault(p, []).append(i + 1)
+        children[(p, t)] = i + 1
+    choice: dict[int, int] = {}
+    accepted = [0]
+    while True:
+        row = accepted[-1]
+        if row not in choice:
+            rows = likely_path(tree, row, children_of)
+            choice.update(zip(rows, choose(rows)))
+        child = children.get((row, choice[row]))
+        if child is None:
+            return accepted, choice[row]
+        accepted.append(child)
+
+
+def follow_tree(tree: DraftTree, choices: torch.Tensor) -> tuple[list[int], int]:
+    """The walk over known choices [N+1] (the target's token at every row), e.g. in replay."""
+    return walk(tree, lambda rows: choices[rows].tolist())
 
 
 class Sampler:

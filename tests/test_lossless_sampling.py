@@ -100,15 +100,14 @@ def test_a_draft_trusting_walk_is_caught(small_pipes, truth, monkeypatch):
     """Wrong rule: follow the first child unconditionally. The test must reject it."""
     from dartree import verify
 
-    def trusting_walk(tree, choices):
-        accepted, picked = [0], choices.tolist()
+    def trusting_walk(tree, choose):
+        accepted = [0]
         kids = [i + 1 for i, p in enumerate(tree.parents.tolist()) if p == 0]
         if kids:
             accepted.append(kids[0])
-        return accepted, picked[accepted[-1]]
+        return accepted, choose([accepted[-1]])[0]
 
-    monkeypatch.setattr(dartree.decoding, "follow_tree", trusting_walk)
-    assert verify.follow_tree is not trusting_walk
+    monkeypatch.setattr(verify, "walk", trusting_walk)
     rejected, stat, crit = chi_square_rejects(empirical(small_pipes["domino"], "dartree"), truth, SAMPLES)
     assert rejected, f"wrong rule not detected: {stat:.1f} <= {crit:.1f}"
 

@@ -126,3 +126,27 @@ def test_verify_commits_the_greedy_path_and_compacts_the_cache(hf_model):
     fresh.prefill(torch.tensor(prefix + [root] + greedy[:3]))
     for a, b in zip(adapter.cache.layers, fresh.cache.layers):
         torch.testing.assert_close(a.keys, b.keys, rtol=0, atol=1e-10)
+
+
+def test_the_walk_asks_for_the_likely_path_first_and_other_rows_only_when_needed():
+    """The output layer runs on the drafter's likely path in one batch; a branch it did not predict
+    costs one more batch, and rows the walk cannot reach are never computed."""
+    from dartree.trees import DraftTree
+    from dartree.verify import walk
+
+    # rows: 1 = a (root), 2 = b (root, better), 3 = c under a, 4 = d under b, 5 = e under a
+    tree = DraftTree.from_lists([10, 11, 12, 13, 14], [0, 0, 1, 2, 1], [1, 1, 2, 2, 2])
+    tree.log_probs = torch.tensor([-2.0, -1.0, -2.5, -1.5, -3.0])
+    choices = {0: 11, 1: 14, 2: 13, 3: 0, 4: 0, 5: 0}
+    asked = []
+
+    def choose(rows):
+        asked.append(list(rows))
+        return [choices[r] for r in rows]
+
+    assert walk(tree, choose) == ([0, 2, 4], 0)
+    assert asked == [[0, 2, 4]]
+    choices[0] = 10  # the target prefers a: the walk leaves the likely path at the root
+    asked.clear()
+    assert walk(tree, choose) == ([0, 1, 5], 0)
+    assert asked == [[0, 2, 4], [1, 3], [5]]

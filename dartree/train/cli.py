@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
+from ..cliargs import add_threads_arg
 
 
 def add_train_parser(sub) -> None:
@@ -33,6 +33,7 @@ def add_train_parser(sub) -> None:
     data.add_argument("--max-minutes", type=float, default=None, help="stop cleanly after this long (resume later)")
     data.add_argument("--seed", type=int, default=0)
     data.add_argument("--device", default="auto", help="auto (default: a GPU when there is one, else the CPU), cpu, cuda or cuda:N")
+    add_threads_arg(data)
     data.set_defaults(func=_run_data)
 
     from .drafter import add_drafter_args
@@ -45,10 +46,11 @@ def _run_data(args) -> int:
 
     from ..default_model import default_target_dir
     from ..loading import load_target, load_tokenizer, resolve_device
-    from ..hardware import native_dtype
+    from ..hardware import native_dtype, set_threads
     from .data import generate_data
 
     target = Path(args.target) if args.target else default_target_dir()
+    set_threads(args.threads)
     device = resolve_device(args.device)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype) or native_dtype(device)
     model = load_target(target, dtype, device)

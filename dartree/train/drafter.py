@@ -32,9 +32,11 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from ..cliargs import add_threads_arg
 from ..drafter import DrafterConfig, DrafterModel, DraftOutput
-from ..loading import load_drafter, save_drafter
 from ..errors import DartreeError
+from ..hardware import set_threads
+from ..loading import load_drafter, save_drafter
 from ..trees import DARTreeBuilder, TreeSettings
 from .data import Sequence, load_all_shards, target_features
 
@@ -428,6 +430,7 @@ def add_drafter_args(steps) -> None:
         p.add_argument("--max-minutes", type=float, default=None, help="stop cleanly after this long; rerun to resume")
         p.add_argument("--device", default="auto", help="auto (default: a GPU when there is one, else the CPU), cpu, cuda or cuda:N")
         p.add_argument("--export", help="after training, write a bf16 copy of the drafter here")
+        add_threads_arg(p)
         p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                        help="the frozen target's dtype for the teacher-forced forward (auto: bfloat16 where native, else float32)")
         if name == "markov":
@@ -440,6 +443,7 @@ def _run_train(args) -> int:
     from ..loading import load_target, resolve_device
 
     torch.manual_seed(0)
+    set_threads(args.threads)
     device = resolve_device(args.device)
     from ..hardware import native_dtype
 
