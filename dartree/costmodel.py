@@ -5,7 +5,8 @@ does not, and how much it costs depends on the chip, the dtype and the thread co
 times, once per (target, drafter, device, dtype, threads, machine):
 
 - a target forward over n rows (n = 1, 2, 3, 4, 6, ... 128) appended to a context of ``context``
-  tokens (the verification of a tree of n - 1 nodes; n = 1 is a plain decoding step);
+  tokens, with the output layer over the rows a walk asks for first (the likely path, at most
+  ``LIKELY_PATH_ROWS``): the verification of a tree of n - 1 nodes; n = 1 is a plain decoding step;
 - one drafter call (a round's draft, with a couple of new context rows, as in steady decoding);
 - the ``dartree`` tree build at the largest budget.
 
@@ -28,6 +29,7 @@ from .errors import DartreeError
 from .hardware import describe_machine
 
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+LIKELY_PATH_ROWS = 6  # output-layer rows timed per verification (verify.walk computes the likely path first)
 
 
 @dataclass
@@ -167,7 +169,8 @@ def measure(pipe, context: int = 256, rows=ROWS, repeats: int = 3, max_budget: i
         mask = target.tree_mask(ancestor_matrix(chain)) if n > 1 else None
 
         def forward():
-            target.forward_tree(tokens, depths, mask)
+            hidden, _ = target.forward_tree_hidden(tokens, depths, mask)
+            target.lm_head(hidden[: min(n, LIKELY_PATH_ROWS)])
             target.compact(context, torch.zeros(0, dtype=torch.long, device=pipe.device))  # back to the context
 
         verify_ms[n] = _median_ms(forward, repeats)
