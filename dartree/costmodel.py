@@ -29,6 +29,7 @@ from .errors import DartreeError
 from .hardware import describe_machine
 
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+COST_MODEL_VERSION = 2  # bumped whenever what is timed changes, so older caches are measured again
 LIKELY_PATH_ROWS = 6  # output-layer rows timed per verification (verify.walk computes the likely path first)
 
 
@@ -127,6 +128,7 @@ def identity(pipe) -> dict:
         "dtype": str(pipe.target.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
         "machine": describe_machine(),
+        "version": COST_MODEL_VERSION,
     }
 
 
