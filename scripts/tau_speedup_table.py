@@ -28,6 +28,12 @@ def budget_of(key: str) -> int | None:
     return CONFIGS[key].budget
 
 
+def budget_rank(key: str) -> int:
+    """Sort key: no budget first, then fixed budgets, then 'auto'."""
+    budget = budget_of(key)
+    return 10**9 if budget == "auto" else (budget or 0)
+
+
 def method_of(key: str) -> str:
     return CONFIGS[key].method
 
@@ -46,7 +52,7 @@ def main(replay_dir: str, decoded_dir: str) -> None:
     dec = {(s.dataset, s.key): s for s in summarise(decoded)}
     CONFIGS.update({r["key"]: RunConfig.from_record(r) for r in decoded + replayed})
     keys = list(dict.fromkeys(r["key"] for r in decoded + replayed))
-    keys.sort(key=lambda k: (METHOD_ORDER.index(method_of(k)), budget_of(k) or 0))
+    keys.sort(key=lambda k: (METHOD_ORDER.index(method_of(k)), budget_rank(k)))
     datasets = sorted({r["dataset"] for r in replayed + decoded})
     mismatches = sum(r.get("matches_ar") is False for r in decoded)
     for d in datasets:
@@ -70,7 +76,7 @@ def main(replay_dir: str, decoded_dir: str) -> None:
 def print_mean_grid(keys: list[str], datasets: list[str], dec: dict, replay_all: dict) -> None:
     """Method x budget: decoded tau / speedup over ar (replay tau), each the mean of the datasets.
     Chain methods have no budget and fill the first column."""
-    budgets = sorted({budget_of(k) for k in keys if budget_of(k) is not None})
+    budgets = sorted({budget_of(k) for k in keys if budget_of(k) is not None}, key=lambda b: 10**9 if b == "auto" else b)
     cell_key = {(method_of(k), budget_of(k) or budgets[0]): k for k in keys if method_of(k) != "ar"}
     methods = list(dict.fromkeys(m for m, _ in cell_key))
 
