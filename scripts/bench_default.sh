@@ -26,5 +26,15 @@ case "${1:-}" in
   seven-replay)             # all seven benchmarks, T=0 tau of every method at B=32 (exact replay)
     .venv/bin/dartree bench --replay --datasets all --limit 10 --max-new-tokens 256 --budgets 32 \
         --methods $ALL --threads 1 --out $OUT/seven-benchmarks/replay ;;
-  *) echo "usage: $0 gsm8k-humaneval-replay|gsm8k-humaneval-decoded|ablations|seven-decoded|seven-replay" >&2; exit 2 ;;
+  fast-decoded)             # issue 13: ar, HF peers and dartree (budget auto / 16 / 64) side by side, 7 datasets
+    .venv/bin/dartree bench --datasets all --limit 2 --max-new-tokens 128 --budgets auto,16,64 --threads 1 \
+        --methods ar,hf-generate,hf-prompt-lookup,dartree --out $OUT/fast-on-this-machine/${TAG:-fp32} ;;
+  drafter-v2-replay)        # the retrained drafter: T=0 tau of every method on 15 + 15 held-out prompts (replay)
+    R=$OUT/drafter-v2/gsm8k-humaneval-replay; mkdir -p $R
+    [ -f $R/greedy.jsonl ] || cp $OUT/gsm8k-humaneval/replay/greedy.jsonl $R/   # the target's tokens do not depend on the drafter
+    .venv/bin/dartree bench --replay --datasets gsm8k,humaneval --limit 15 --max-new-tokens 256 \
+        --methods $ALL --budgets 16,64 --threads 1 --out $R
+    .venv/bin/dartree bench --replay --datasets gsm8k,humaneval --limit 15 --max-new-tokens 256 \
+        --methods dartree --widths 24 --budgets 16,64 --threads 1 --out $R ;;
+  *) echo "usage: $0 gsm8k-humaneval-replay|gsm8k-humaneval-decoded|ablations|seven-decoded|seven-replay|fast-decoded|drafter-v2-replay" >&2; exit 2 ;;
 esac
