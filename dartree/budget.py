@@ -12,8 +12,9 @@ p_i starts as the drafter's own path probability and is calibrated online, per d
 target actually accepted: c_d = (prior + accepted nodes at depth d) / (prior + predicted at depth d).
 
 When even the best b is expected to lose to a plain target step (1 / t_verify(1) tokens per ms),
-the policy takes plain steps, without a drafter call, and probes speculation again every
-``probe_every`` steps so that the calibration can notice a drafter that starts to do well. Only what
+the policy takes plain steps, without a drafter call, and probes speculation again after
+``probe_every`` steps (doubling after each lost probe, up to ``max_probe_every``) so that the
+calibration can notice a drafter that starts to do well. Only what
 is verified changes, never how: the output stays exactly what the target alone would write.
 """
 
@@ -39,10 +40,12 @@ class AdaptiveBudget:
     cost: CostModel
     max_depth: int = 16
     prior: float = 2.0  # pseudo-count of the calibration: how much evidence it takes to move c_d
-    probe_every: int = 16  # plain steps between two probes of speculation
+    probe_every: int = 16  # plain steps before the first probe of speculation; doubles after each lost probe
+    max_probe_every: int = 256  # the most plain steps between two probes
     predicted: list[float] = field(default_factory=list)  # per depth: sum of p over verified nodes
     accepted: list[float] = field(default_factory=list)  # per depth: accepted verified nodes
     plain_left: int = 0  # plain steps to take before the next probe
+    lost_probes: int = 0  # consecutive rounds that chose plain steps (probes that lost)
     history: list[int] = field(default_factory=list)  # nodes verified per round (0 = plain step)
 
     def __post_init__(self):
@@ -90,9 +93,13 @@ class AdaptiveBudget:
         root alone (this round's draft is spent) and the next ``probe_every`` rounds are plain steps."""
         choice = self.choose(tree)
         if choice.nodes == 0:
-            self.plain_left = self.probe_every
+            # Back off: a drafter that keeps losing is probed ever less often (each probe costs a
+            # drafter call and a tree build for one token).
+            self.plain_left = min(self.probe_every * 2 ** self.lost_probes, self.max_probe_every)
+            self.lost_probes += 1
             self.history.append(0)
             return DraftTree.empty(tree.tokens.device)
+        self.lost_probes = 0
         self.history.append(choice.nodes)
         return tree.prefix(choice.nodes)
 

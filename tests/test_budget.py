@@ -67,10 +67,16 @@ def test_an_expensive_verify_or_a_hopeless_draft_takes_plain_steps():
     assert AdaptiveBudget(synthetic_cost(10.0, 0.1, draft_ms=30.0)).choose(tree).nodes == 0
 
 
-def test_plain_steps_then_a_probe():
-    policy = AdaptiveBudget(synthetic_cost(10.0, 20.0), probe_every=3)
+def test_plain_steps_then_probes_that_back_off():
+    policy = AdaptiveBudget(synthetic_cost(10.0, 20.0), probe_every=3, max_probe_every=8)
     assert len(policy.cut(ranked_tree([0.9, 0.8]))) == 0  # speculation loses: verify the root alone
-    assert [policy.speculate() for _ in range(4)] == [False, False, False, True]  # then 3 plain steps, then a probe
+    assert [policy.speculate() for _ in range(4)] == [False] * 3 + [True]  # then 3 plain steps, then a probe
+    assert len(policy.cut(ranked_tree([0.9, 0.8]))) == 0  # the probe loses again: twice as many plain steps
+    assert [policy.speculate() for _ in range(7)] == [False] * 6 + [True]
+    policy.cut(ranked_tree([0.9, 0.8]))
+    assert [policy.speculate() for _ in range(9)] == [False] * 8 + [True]  # capped at max_probe_every
+    policy.cost = synthetic_cost(10.0, 0.1)  # now speculation pays: the back-off resets
+    assert len(policy.cut(ranked_tree([0.9, 0.8]))) > 0 and policy.lost_probes == 0
 
 
 def test_calibration_learns_from_acceptances():
