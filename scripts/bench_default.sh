@@ -31,7 +31,6 @@ case "${1:-}" in
         --methods ar,hf-generate,hf-prompt-lookup,dartree --out $OUT/fast-on-this-machine/${TAG:-fp32} ;;
   drafter-v2-replay)        # the retrained drafter: T=0 tau of every method on 15 + 15 held-out prompts (replay)
     R=$OUT/drafter-v2/gsm8k-humaneval-replay; mkdir -p $R
-    [ -f $R/greedy.jsonl ] || cp $OUT/gsm8k-humaneval/replay/greedy.jsonl $R/   # the target's tokens do not depend on the drafter
     .venv/bin/dartree bench --replay --datasets gsm8k,humaneval --limit 15 --max-new-tokens 256 \
         --methods $ALL --budgets 16,64 --threads 1 --out $R
     .venv/bin/dartree bench --replay --datasets gsm8k,humaneval --limit 15 --max-new-tokens 256 \
