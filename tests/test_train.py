@@ -1,5 +1,6 @@
 """Training pipeline on a tiny target: shards, packed block training, curriculum, resume, export."""
 
+import json
 import random
 
 import pytest
@@ -96,6 +97,16 @@ def test_training_reduces_loss_resumes_and_exports(tiny_data, tmp_path):
     mcfg = TrainConfig(data=str(data), out=str(tmp_path / "markov"), steps=10, anchors=6, block_size=5, markov_rank=8,
                        heldout_seqs=4, eval_every=10, save_every=10, tapped=[1, 2], init_drafter=str(tmp_path / "run" / "checkpoint"))
     Trainer(target, mcfg, "markov").run()
+
+    # an exported drafter (the committed asset) resumes in a fresh folder at its recorded step
+    export(tmp_path / "run" / "checkpoint", tmp_path / "shipped")
+    assert json.loads((tmp_path / "shipped" / "training.json").read_text())["step"] == 40
+    more = TrainConfig(**{**cfg.__dict__, "out": str(tmp_path / "run-next"), "steps": 44, "resume_from": str(tmp_path / "shipped")})
+    again = Trainer(target, more, "drafter")
+    assert again.step == 40
+    torch.testing.assert_close(again.model.fc.weight, resumed.model.fc.weight.to(torch.bfloat16).float())
+    again.run()
+    assert again.step == 44
 
     # exported checkpoints load through the generic loader and decode losslessly
     for name, ckpt in (("domino", tmp_path / "run" / "checkpoint"), ("markov", tmp_path / "markov" / "checkpoint")):

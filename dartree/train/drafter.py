@@ -69,6 +69,7 @@ class TrainConfig:
     device: str = "cpu"  # where the target and the drafter train; shards stay in CPU memory
     init_from_target: bool = False  # measured worse than random init at equal time
     init_drafter: str = "runs/drafter/checkpoint"  # markov step: the trained drafter whose backbone is kept
+    resume_from: str | None = None  # drafter step: continue from these weights (e.g. the shipped asset) at its training.json step
     tapped: list[int] = field(default_factory=lambda: [1, 7, 14, 21, 27])
 
 
@@ -240,6 +241,14 @@ class Trainer:
             state = torch.load(self.out / "trainer.pt", weights_only=False, map_location="cpu")
             self.step = state["step"]
             self.rng.setstate(state["rng"])
+        elif cfg.resume_from and stage == "drafter":
+            # A committed drafter (the optimiser state stayed on another machine): same weights, the
+            # schedule continues at the recorded step, the optimiser's moments start afresh.
+            self.model = load_drafter(cfg.resume_from)
+            record = Path(cfg.resume_from) / TRAINING_RECORD
+            self.step = json.loads(record.read_text())["step"] if record.is_file() else 0
+            self.rng = random.Random(cfg.seed + 1 + self.step)
+            state = None
         else:
             self.step = 0
             if stage == "markov":
@@ -398,11 +407,20 @@ class Trainer:
         return self.out / "checkpoint"
 
 
+TRAINING_RECORD = "training.json"
+
+
 def export(checkpoint: str | Path, dest: str | Path, dtype=torch.bfloat16) -> None:
-    """Write a shippable copy of a checkpoint (smaller dtype; loading casts back)."""
+    """Write a shippable copy of a checkpoint (smaller dtype; loading casts back), with a record of
+    how it was trained (step, settings, data) so that a later session can resume from it."""
     model = load_drafter(checkpoint)
     model.to(dtype)
     save_drafter(model, dest)
+    state_path = Path(checkpoint).parent / "trainer.pt"
+    if state_path.is_file():
+        state = torch.load(state_path, weights_only=False, map_location="cpu")
+        record = {"step": state["step"], "config": state["config"]}
+        (Path(dest) / TRAINING_RECORD).write_text(json.dumps(record, indent=2) + "\n")
 
 
 def add_drafter_args(steps) -> None:
@@ -433,6 +451,9 @@ def add_drafter_args(steps) -> None:
         add_threads_arg(p)
         p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                        help="the frozen target's dtype for the teacher-forced forward (auto: bfloat16 where native, else float32)")
+        if name == "drafter":
+            p.add_argument("--resume-from", help="continue training these drafter weights (e.g. dartree/assets/smollm2-drafter-domino) "
+                           "at the step in its training.json, when --out has no checkpoint yet")
         if name == "markov":
             p.add_argument("--init-drafter", default="runs/drafter/checkpoint", help="trained drafter whose backbone is kept")
         p.set_defaults(func=_run_train, stage=name)
@@ -458,6 +479,8 @@ def _run_train(args) -> int:
                       device=str(device))
     if args.stage == "markov":
         cfg.init_drafter = args.init_drafter
+    else:
+        cfg.resume_from = args.resume_from
     prior = None
     if args.stage == "drafter" and cfg.draft_vocab and Path(args.prompts).is_dir() and not (Path(cfg.out) / "checkpoint").is_dir():
         from ..loading import load_tokenizer
