@@ -166,3 +166,35 @@ def test_native_dtype_follows_the_cpu_flags(monkeypatch):
     monkeypatch.setattr(hardware, "cpu_info", lambda: ("AMD EPYC", frozenset({"avx2", "fma"})))
     assert hardware.native_dtype("cpu") == torch.float32
     assert "AMD EPYC" in hardware.describe_machine()
+
+
+def test_generation_settings_validate_and_round_trip():
+    from dartree import DartreeError, GenerationSettings
+
+    s = GenerationSettings.from_kwargs(method="ddtree", budget=16, temperature=0.7, top_p=0.9)
+    assert s.method == "ddtree" and s.tree.budget == 16 and s.tree.width == TreeSettings().width
+    assert GenerationSettings.from_dict(s.to_dict()) == s
+    assert s.used_tree_settings() == {"budget": 16}
+    assert GenerationSettings.from_kwargs(s, width=None).tree.width == s.tree.width  # None keeps the base's value
+    for bad, message in [({"method": "nope"}, "unknown method"), ({"budget": "big"}, "budget must be"),
+                         ({"budget": 0}, "budget must be"), ({"beta": 0.1}, "beta must be <= 0"),
+                         ({"temperature": -1}, "temperature"), ({"max_new_tokens": 0}, "max_new_tokens"),
+                         ({"top_p": 1.5}, "top_p")]:
+        with pytest.raises(DartreeError, match=message):
+            GenerationSettings.from_kwargs(**bad).validate()
+    with pytest.raises(DartreeError, match="unknown generation setting"):
+        GenerationSettings.from_kwargs(temprature=1.0)
+
+
+def test_calibrate_prints_the_cost_table_and_draws_it(model_dirs, tmp_path, monkeypatch, capsys):
+    from dartree.cli import main
+
+    monkeypatch.setenv("DARTREE_CACHE", str(tmp_path / "cache"))
+    argv = ["calibrate", "--target", str(model_dirs[("llama", "target")]), "--drafter", str(model_dirs[("llama", "domino")]),
+            "--context", "16", "--plot", str(tmp_path / "cost.png"), "--threads", "1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "| rows in the forward | ms |" in out and "| 128 |" in out and (tmp_path / "cost.png").stat().st_size > 0
+    assert len(list((tmp_path / "cache" / "costmodel").glob("*.json"))) == 1
+    assert main(argv + ["--json"]) == 0  # the second call reads the cache
+    assert '"verify_ms"' in capsys.readouterr().out
