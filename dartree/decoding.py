@@ -106,6 +106,7 @@ def decode(
     timer = _Timer(target.device)
 
     logits, features = target.prefill(prompt_ids)
+    pending = [features]  # tapped target states the drafter has not been given yet
     bonus = int(sampler(logits[None])[0])
     output = [bonus]
     if on_tokens is not None:
@@ -119,8 +120,8 @@ def decode(
 
     while bonus not in stop_ids and len(output) < max_new_tokens:
         if use_drafter and (budget is None or budget.speculate()):
-            draft = proposer.draft(bonus, features, start)
-            features = None  # the drafter has every context row up to the bonus token now
+            draft = proposer.draft(bonus, torch.cat(pending) if len(pending) > 1 else pending[0], start)
+            pending = []  # the drafter has every context row up to the bonus token now
             timer.lap("draft")
             if first_round:  # the first draft call also prefills the drafter: not decode time
                 decode_start = time.perf_counter()
@@ -138,7 +139,7 @@ def decode(
         if budget is not None:
             budget.observe(tree, verified.accepted_rows)
         if verified.features is not None:  # rows the drafter has not seen yet (plain steps add up)
-            features = verified.features if features is None else torch.cat([features, verified.features])
+            pending.append(verified.features)
         new_tokens = verified.tokens
         start += verified.acceptance_length
         bonus = verified.next_bonus
