@@ -11,9 +11,47 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from .errors import DartreeError
 from .loading import LayerTap, decoder_layers
+
+
+class GrowingLayer(DynamicLayer):
+    """A KV-cache layer that grows like a vector: K/V live in a buffer with spare capacity and
+    ``keys`` / ``values`` are views of its filled part. Hugging Face's ``DynamicLayer`` concatenates,
+    copying the whole cache at every step: measured 10 % of a one-token step of SmolLM2-135M at a
+    256-token context on one CPU thread. Compaction writes into the views and narrows them."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._kbuf = self._vbuf = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        length = 0 if self._kbuf is None else self.keys.shape[-2]
+        need = length + key_states.shape[-2]
+        if self._kbuf is None or need > self._kbuf.shape[-2]:
+            capacity = max(2 * need, need + 256)
+            shape = (*key_states.shape[:-2], capacity, key_states.shape[-1])
+            kbuf = key_states.new_empty(shape)
+            vbuf = value_states.new_empty((*value_states.shape[:-2], capacity, value_states.shape[-1]))
+            if length:
+                kbuf[..., :length, :] = self.keys
+                vbuf[..., :length, :] = self.values
+            self._kbuf, self._vbuf = kbuf, vbuf
+        self._kbuf[..., length:need, :] = key_states
+        self._vbuf[..., length:need, :] = value_states
+        self.keys, self.values = self._kbuf[..., :need, :], self._vbuf[..., :need, :]
+        return self.keys, self.values
+
+
+def growing_cache(config) -> DynamicCache:
+    """A DynamicCache whose full-attention layers are ``GrowingLayer`` (others stay as they are)."""
+    cache = DynamicCache(config=config)
+    cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
 
 
 class TargetAdapter:
@@ -65,7 +103,7 @@ class TargetAdapter:
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """input_ids [P]. Returns the logits [V] at the last prompt position and features [P, m*H]."""
-        self.cache = DynamicCache(config=self.config)
+        self.cache = growing_cache(self.config)
         out = self.model(input_ids=input_ids[None], cache=self.cache, use_cache=True, logits_to_keep=1)
         return out.logits[0, -1], self._features()
 
