@@ -61,9 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench.cli import add_bench_parser, add_bench_tree_parser
     from .train.cli import add_train_parser
 
+    from .server import add_serve_parser
+
     add_bench_tree_parser(sub)
     add_train_parser(sub)
     add_bench_parser(sub)
+    add_serve_parser(sub)
     return parser
 
 

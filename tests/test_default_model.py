@@ -41,3 +41,21 @@ def test_markov_drafter_reproduces_ar(pipe):
     assert markov.drafter.config.projector_type == "markov"
     ar = pipe.generate(PROMPTS[0], method="ar", max_new_tokens=32)
     assert markov.generate(PROMPTS[0], method="dartree", max_new_tokens=32, budget=32).token_ids == ar.token_ids
+
+
+def test_the_server_answers_like_ar_on_the_default_model(pipe):
+    """`dartree serve` once on the real model: a chat request at T = 0 returns ar's text."""
+    from openai import OpenAI
+
+    from dartree.server import create_app
+    from test_server import LiveServer
+
+    served = dartree.load()
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    want = pipe.generate(messages=messages, method="ar", max_new_tokens=32).text
+    with LiveServer(create_app(served)) as server:
+        api = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        res = api.chat.completions.create(model="dartree", messages=messages, temperature=0, max_tokens=32)
+        streamed = "".join(c.choices[0].delta.content or "" for c in api.chat.completions.create(
+            model="dartree", messages=messages, temperature=0, max_tokens=32, stream=True) if c.choices)
+    assert res.choices[0].message.content == want == streamed

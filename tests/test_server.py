@@ -1,0 +1,234 @@
+"""`dartree serve` against a live server on 127.0.0.1 with the real `openai` client (tiny float64 models)."""
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx2 as httpx  # the HTTP client the openai package itself uses
+import pytest
+import torch
+
+import dartree
+from dartree.server import TextAssembler, create_app
+
+VOCAB = 16
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """uvicorn in a thread on a free port, started and stopped by the test module."""
+
+    def __init__(self, app):
+        import uvicorn
+
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            if time.time() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from dartree.tiny import make_tiny_drafter, make_tiny_target
+
+    root = tmp_path_factory.mktemp("serve")
+    target = make_tiny_target(root / "target", vocab_size=VOCAB, seed=3, logit_scale=4.0, max_positions=256)
+    drafter = make_tiny_drafter(root / "drafter", target, head="domino", block_size=6, seed=4)
+    pipe = dartree.load(target, drafter, dtype=torch.float64)
+    reference = dartree.load(target, drafter, dtype=torch.float64)  # the engine thread owns `pipe`
+    defaults = dartree.GenerationSettings(max_new_tokens=24, tree=dartree.TreeSettings(budget=8))
+    with LiveServer(create_app(pipe, defaults, model_name="tiny", max_queue=32)) as server:
+        yield server, reference
+
+
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def ar_text(reference, messages=None, prompt=None, n=24):
+    if messages is not None:
+        res = reference.generate(messages=messages, method="ar", max_new_tokens=n, stop_token_ids=[])
+    else:
+        res = reference.generate(input_ids=reference.tokenizer(prompt)["input_ids"], method="ar", max_new_tokens=n,
+                                 stop_token_ids=[])
+    return res.text, res.token_ids
+
+
+def test_models_and_health(served):
+    server, _ = served
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert [m.id for m in client(server).models.list().data] == ["tiny"]
+
+
+@pytest.mark.parametrize("method", ["dartree", "ddtree", "ar"])
+def test_chat_streaming_and_not_equal_greedy_decoding(served, method):
+    server, reference = served
+    messages = [{"role": "user", "content": "w3 w1 w4 w1"}]
+    want, ids = ar_text(reference, messages)
+    api = client(server)
+    full = api.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=24,
+                                       extra_body={"method": method})
+    assert full.choices[0].message.content == want
+    assert full.choices[0].finish_reason == "length"
+    assert full.usage.completion_tokens == len(ids) and full.usage.prompt_tokens > 0
+    pieces = []
+    stream = api.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=24, stream=True,
+                                         stream_options={"include_usage": True}, extra_body={"method": method})
+    finish, usage = None, None
+    for chunk in stream:
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert "".join(pieces) == want and finish == "length"
+    assert usage is not None and usage.completion_tokens == len(ids)
+    assert usage.model_extra["mean_acceptance_length"] >= 1.0
+
+
+def test_completions_endpoint_streams_the_same_text(served):
+    server, reference = served
+    want, _ = ar_text(reference, prompt="w2 w7 w7")
+    api = client(server)
+    assert api.completions.create(model="tiny", prompt="w2 w7 w7", temperature=0, max_tokens=24).choices[0].text == want
+    streamed = "".join(c.choices[0].text for c in api.completions.create(model="tiny", prompt="w2 w7 w7", temperature=0,
+                                                                          max_tokens=24, stream=True) if c.choices)
+    assert streamed == want
+
+
+def test_stop_strings_cut_exactly_as_openai_does(served):
+    server, reference = served
+    messages = [{"role": "user", "content": "w5 w5 w1"}]
+    want, _ = ar_text(reference, messages)
+    words = want.split()
+    stop = " ".join(words[3:5])  # a stop string spanning tokens, inside the text
+    cut = want[: want.find(stop)]
+    api = client(server)
+    res = api.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=24, stop=[stop])
+    assert res.choices[0].message.content == cut and res.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].delta.content or "" for c in api.chat.completions.create(
+        model="tiny", messages=messages, temperature=0, max_tokens=24, stop=stop, stream=True) if c.choices)
+    assert streamed == cut
+
+
+def test_sixteen_concurrent_clients_get_their_own_answers(served):
+    server, reference = served
+    prompts = [f"w{i % VOCAB} w{(3 * i) % VOCAB} w{(5 * i + 1) % VOCAB}" for i in range(16)]
+    wants = [ar_text(reference, [{"role": "user", "content": p}], n=12)[0] for p in prompts]
+
+    def ask(i):
+        stream = i % 2 == 0
+        api = client(server)
+        kwargs = dict(model="tiny", messages=[{"role": "user", "content": prompts[i]}], temperature=0, max_tokens=12)
+        if stream:
+            return "".join(c.choices[0].delta.content or "" for c in api.chat.completions.create(stream=True, **kwargs) if c.choices)
+        return api.chat.completions.create(**kwargs).choices[0].message.content
+
+    with ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(ask, range(16)))
+    assert got == wants
+
+
+def test_a_disconnect_mid_stream_frees_the_engine(served):
+    server, reference = served
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "w1 w2"}], "max_tokens": 200, "stream": True,
+            "temperature": 0, "method": "ar"}
+    before = _metric(server, 'dartree:requests_total{status="cancelled"}')
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", server.url + "/v1/chat/completions", json=body) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: ") and '"content": "w' in line:
+                    break  # one token arrived: hang up
+    started = time.time()
+    want, _ = ar_text(reference, [{"role": "user", "content": "w9"}], n=6)
+    res = client(server).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w9"}], temperature=0,
+                                                 max_tokens=6)
+    assert res.choices[0].message.content == want
+    assert time.time() - started < 20
+    deadline = time.time() + 10
+    while _metric(server, 'dartree:requests_total{status="cancelled"}') < before + 1 and time.time() < deadline:
+        time.sleep(0.1)
+    assert _metric(server, 'dartree:requests_total{status="cancelled"}') == before + 1
+
+
+@pytest.mark.parametrize("body, message", [
+    ("{not json", "not valid JSON"),
+    (json.dumps([1, 2]), "must be a JSON object"),
+    (json.dumps({"messages": []}), "'messages' must be a non-empty list"),
+    (json.dumps({"messages": [{"role": "user"}]}), "string 'role' and a string 'content'"),
+    (json.dumps({"messages": [{"role": "user", "content": "w1"}], "n": 2}), "'n' must be 1"),
+    (json.dumps({"messages": [{"role": "user", "content": "w1"}], "beta": 0.5}), "beta must be <= 0"),
+    (json.dumps({"messages": [{"role": "user", "content": "w1"}], "method": "nope"}), "unknown method 'nope'"),
+    (json.dumps({"messages": [{"role": "user", "content": "w1"}], "max_tokens": -3}), "'max_tokens' must be >= 1"),
+    (json.dumps({"messages": [{"role": "user", "content": "w1"}], "max_tokens": "many"}), "'max_tokens' must be an integer"),
+    (json.dumps({"messages": [{"role": "user", "content": "w1"}], "temperature": "hot"}), "'temperature' must be a number"),
+    (json.dumps({"messages": [{"role": "user", "content": "w1"}], "stream": "yes"}), "'stream' must be true or false"),
+    (json.dumps({"messages": [{"role": "user", "content": "w1 " * 300}]}), "context"),
+])
+def test_bad_input_is_a_400_with_a_message(served, body, message):
+    server, _ = served
+    response = httpx.post(server.url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert message in error["message"] and error["type"] == "invalid_request_error"
+    assert httpx.get(server.url + "/health").status_code == 200  # still serving
+
+
+def test_metrics_count_what_was_served(served):
+    server, _ = served
+    before_requests = _metric(server, 'dartree:requests_total{status="ok"}')
+    before_tokens = _metric(server, "dartree:generation_tokens_total")
+    client(server).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w4"}], temperature=0,
+                                           max_tokens=10)
+    assert _metric(server, 'dartree:requests_total{status="ok"}') == before_requests + 1
+    assert _metric(server, "dartree:generation_tokens_total") == before_tokens + 10
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("dartree:spec_decode_num_drafts_total", "dartree:spec_decode_num_accepted_tokens_total",
+                 "dartree:mean_acceptance_length", "dartree:num_requests_waiting", "dartree:time_per_output_token_seconds"):
+        assert name in text
+
+
+def _metric(server, name: str) -> float:
+    for line in httpx.get(server.url + "/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{") and line.split(" ")[0] == name:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_text_assembler_never_splits_a_character_and_holds_back_a_possible_stop():
+    class Bytes:  # a byte-level tokenizer: token i is byte i
+        def decode(self, ids, skip_special_tokens=True):
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    euro = list("€".encode())  # three bytes
+    a = TextAssembler(Bytes(), stop=["END"])
+    assert a.add([ord("x")] + euro[:1]) == ""  # an incomplete character waits (the whole tail is held)
+    assert a.add(euro[1:]) == "x€"
+    assert a.add([ord("E"), ord("N")]) == ""  # could become the stop string
+    assert a.add([ord("!")]) == "EN!"
+    assert a.add(list(b"abcEND tail")) == "abc" and a.stopped
