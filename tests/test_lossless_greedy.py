@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from conftest import FAMILIES, HEADS, VOCAB, hf_greedy
 
-from dartree.trees import BUILDERS, HEAD_METHODS, METHODS as ALL_METHODS
+from dartree.trees import BUILDERS, METHODS as ALL_METHODS
 
 TREE_METHODS = tuple(m for m, b in BUILDERS.items() if "budget" in b.reads)
 DRAFT_METHODS = tuple(m for m, b in BUILDERS.items() if b.uses_drafter)

@@ -41,7 +41,6 @@ def add_bench_tree_parser(sub) -> None:
 
 
 def _run_bench_tree(args) -> int:
-    import torch
     from tqdm import tqdm
 
     from .tree_timing import format_table, time_tree_builders
@@ -157,7 +156,6 @@ def run_bench(args) -> int:
         print(f"wrote {path}")
         return 0
 
-    import torch
 
     import dartree
 
