@@ -232,3 +232,37 @@ def test_text_assembler_never_splits_a_character_and_holds_back_a_possible_stop(
     assert a.add([ord("E"), ord("N")]) == ""  # could become the stop string
     assert a.add([ord("!")]) == "EN!"
     assert a.add(list(b"abcEND tail")) == "abc" and a.stopped
+
+
+def test_a_full_queue_is_a_429_and_an_internal_error_a_500_then_service_goes_on(served, tmp_path):
+    server, reference = served
+    pipe = reference  # a second server on the reference pipeline, with a queue of one
+    release, calls = threading.Event(), {"n": 0}
+    real_generate = type(pipe).generate
+
+    def gated(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            release.wait(60)  # hold the engine on the first request
+        if calls["n"] == 2:  # the queued request (the rejected one never reaches the engine)
+            raise RuntimeError("simulated failure")
+        return real_generate(self, *args, **kwargs)
+
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "w1 w2"}], "max_tokens": 4, "temperature": 0}
+    try:
+        pipe.generate = gated.__get__(pipe)
+        with LiveServer(create_app(pipe, model_name="tiny", max_queue=1)) as second, ThreadPoolExecutor(2) as pool:
+            first = pool.submit(httpx.post, second.url + "/v1/chat/completions", json=body, timeout=60)
+            time.sleep(0.5)  # the engine holds the first request
+            waiting = pool.submit(httpx.post, second.url + "/v1/chat/completions", json=body, timeout=60)
+            time.sleep(0.5)  # the second waits in the queue, which is now full
+            busy = httpx.post(second.url + "/v1/chat/completions", json=body, timeout=60)
+            assert busy.status_code == 429 and "busy" in busy.json()["error"]["message"]
+            release.set()
+            assert first.result().status_code == 200
+            failed = waiting.result()
+            assert failed.status_code == 500 and "simulated failure" in failed.json()["error"]["message"]
+            again = httpx.post(second.url + "/v1/chat/completions", json=body, timeout=60)
+            assert again.status_code == 200 and again.json()["choices"][0]["message"]["content"]
+    finally:
+        del pipe.generate
