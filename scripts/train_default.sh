@@ -11,10 +11,13 @@ DATA=${DATA:-data/smollm2-selfdistill}
 .venv/bin/dartree train data --prompts ../shared/prompts --out "$DATA" --batch-size 64 --max-new-tokens 256 \
     --max-minutes "${DATA_MINUTES:-50}"
 # 2. Drafter + Domino head: reduced draft vocabulary, base-logit loss at every depth, 64 anchors per sequence.
+# A new session has no runs/ folder: --resume-from continues the shipped weights at the step in their
+# training.json (the optimiser's moments start afresh); session 5 stopped at step 2800 of 6000.
 .venv/bin/dartree train drafter --data "$DATA" --out runs/drafter-v2 --steps "${DRAFTER_STEPS:-6000}" \
     --draft-vocab 8192 --anchors 64 --seqs-per-step 1 --eval-every 200 \
+    --resume-from dartree/assets/smollm2-drafter-domino \
     --max-minutes "${DRAFTER_MINUTES:-95}" --export dartree/assets/smollm2-drafter-domino
 # 3. Markov head on the frozen backbone.
 .venv/bin/dartree train markov --data "$DATA" --out runs/markov-v2 --init-drafter runs/drafter-v2/checkpoint \
-    --steps "${MARKOV_STEPS:-300}" --anchors 64 --seqs-per-step 1 --max-minutes "${MARKOV_MINUTES:-12}" \
+    --steps "${MARKOV_STEPS:-450}" --lr 3e-3 --anchors 64 --seqs-per-step 1 --eval-every 150 --max-minutes "${MARKOV_MINUTES:-8}" \
     --export dartree/assets/smollm2-drafter-markov
