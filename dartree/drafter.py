@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import CheckpointError, require
-from .heads import CorrectionHead, build_head
+from .heads import CorrectionHead, build_head, to_target_ids
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -306,7 +306,7 @@ class DrafterModel(nn.Module):
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Target ids of draft ids (the identity without a reduced vocabulary)."""
-        return draft_ids if self.d2t is None else draft_ids + self.d2t[draft_ids]
+        return to_target_ids(self.d2t, draft_ids)
 
     def target_to_draft(self, vocab_size: int) -> torch.Tensor:
         """[vocab_size] draft id of every target id, -1 where the draft vocabulary lacks it."""
@@ -365,7 +365,7 @@ class DraftOutput:
     d2t: torch.Tensor | None = None  # [V_d] offsets to target ids; None: draft ids are target ids
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids if self.d2t is None else draft_ids + self.d2t[draft_ids]
+        return to_target_ids(self.d2t, draft_ids)
 
 
 class DraftProposer:

@@ -49,6 +49,12 @@ def native_dtype(device: torch.device | str) -> torch.dtype:
     return torch.float32
 
 
+def frozen_target_dtype(name: str, device: torch.device | str) -> torch.dtype:
+    """The dtype of a target that only computes (data generation, training features): "float32",
+    "bfloat16", or "auto" = ``native_dtype`` (bf16 where it is native)."""
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(name) or native_dtype(device)
+
+
 def physical_cores() -> int:
     """Cores without SMT siblings (what a compute-bound forward can use), at least 1."""
     try:

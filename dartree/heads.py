@@ -25,6 +25,12 @@ if TYPE_CHECKING:
     from .drafter import DrafterConfig
 
 
+def to_target_ids(d2t: torch.Tensor | None, draft_ids: torch.Tensor) -> torch.Tensor:
+    """Target ids of draft ids under a reduced draft vocabulary (target id = draft id + d2t[draft id]);
+    without one (``d2t`` None) draft ids are target ids."""
+    return draft_ids if d2t is None else draft_ids + d2t[draft_ids]
+
+
 @dataclass
 class HeadRound:
     hidden: torch.Tensor  # [D, H] drafter states z_d
@@ -47,7 +53,7 @@ class CorrectionHead(nn.Module):
         object.__setattr__(self, "_d2t", d2t)
 
     def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids if self._d2t is None else draft_ids + self._d2t[draft_ids]
+        return to_target_ids(self._d2t, draft_ids)
 
     def start_round(self, hidden: torch.Tensor, base_logits: torch.Tensor) -> HeadRound:
         return HeadRound(hidden=hidden, base_logits=base_logits)

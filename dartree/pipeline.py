@@ -49,6 +49,17 @@ class Pipeline:
             if self.head is not None:
                 self.head.bind(self.target.embed_tokens, drafter.d2t)
 
+    def check_request(self, ids: torch.Tensor, settings: GenerationSettings) -> None:
+        """The checks a validated ``settings`` still needs against this pipeline: the method is
+        available here, and prompt + max_new_tokens + one draft block fit the target's context."""
+        require(
+            settings.method in self.methods,
+            f"method {settings.method!r} needs a drafter{' with a correction head' if self.drafter else ''}; "
+            f"this pipeline supports: {', '.join(self.methods)}",
+        )
+        block = self.drafter.config.block_size if self.drafter is not None else 1
+        check_context_length(self.model.config, ids.numel(), settings.max_new_tokens, block)
+
     def cost_model(self) -> CostModel:
         """This machine's measured cost model for this pipeline (cached under .cache/costmodel)."""
         if self._cost_model is None:
@@ -146,18 +157,12 @@ class Pipeline:
             settings, method=method, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, budget=budget,
             width=width, top_k=top_k, beta=beta, sampling_top_k=sampling_top_k, top_p=top_p,
         ).validate()
-        require(
-            settings.method in self.methods,
-            f"method {settings.method!r} needs a drafter{' with a correction head' if self.drafter else ''}; "
-            f"this pipeline supports: {', '.join(self.methods)}",
-        )
+        ids = self.encode(prompt, messages, input_ids)
+        self.check_request(ids, settings)
         max_new_tokens = settings.max_new_tokens
         sampler = settings.sampler(self.device)
         builder = settings.builder()
         budget = self.adaptive_budget(settings) if settings.tree.auto and builder.ranked else None
-        ids = self.encode(prompt, messages, input_ids)
-        block = self.drafter.config.block_size if self.drafter is not None else 1
-        check_context_length(self.model.config, ids.numel(), max_new_tokens, block)
         stop = set(stop_token_ids) if stop_token_ids is not None else self.default_stop_ids()
         if settings.seed is not None:
             torch.manual_seed(settings.seed)

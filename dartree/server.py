@@ -198,13 +198,9 @@ def parse_request(body, defaults: GenerationSettings, chat: bool):
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
         raise RequestError("'stream_options' must be an object like {\"include_usage\": true}", param="stream_options")
     extra = {name: body[name] for name in DART_FIELDS if body.get(name) is not None}
-    if "method" in extra and not isinstance(extra["method"], str):
+    if "method" in extra and not isinstance(extra["method"], str):  # the registry lookup needs a hashable name
         raise RequestError("'method' must be a string", param="method")
-    for name in ("width", "top_k"):
-        _number(extra, name, low=1, integer=True)
-    _number(extra, "beta")
-    if "budget" in extra and extra["budget"] != "auto":
-        _number(extra, "budget", low=1, integer=True)
+    # budget / width / top_k / beta are checked by TreeSettings.validate below, as for every caller
     try:
         settings = GenerationSettings.from_kwargs(
             defaults, max_new_tokens=max_tokens, temperature=temperature, top_p=top_p if top_p != 1 else None,
@@ -299,12 +295,7 @@ def create_app(pipe, defaults: GenerationSettings | None = None, model_name: str
                 raise RequestError("this model has no tokenizer, so it cannot serve text requests", status=500, kind="server_error")
             try:
                 ids = pipe.encode(messages=source) if chat else pipe.encode(input_ids=tokenizer(source)["input_ids"] or [0])
-                from .target import check_context_length
-
-                block = pipe.drafter.config.block_size if pipe.drafter is not None else 1
-                check_context_length(pipe.model.config, ids.numel(), settings.max_new_tokens, block)
-                if settings.method not in pipe.methods:
-                    raise DartreeError(f"method {settings.method!r} is not available here; choose one of {', '.join(pipe.methods)}")
+                pipe.check_request(ids, settings)  # answered now as a 400, not later from the engine
             except DartreeError as exc:
                 raise RequestError(str(exc)) from None
             job = Job(ids.tolist(), settings, stop)

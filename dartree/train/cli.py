@@ -42,17 +42,16 @@ def add_train_parser(sub) -> None:
 
 
 def _run_data(args) -> int:
-    import torch
 
     from ..default_model import default_target_dir
     from ..loading import load_target, load_tokenizer, resolve_device
-    from ..hardware import native_dtype, set_threads
+    from ..hardware import frozen_target_dtype, set_threads
     from .data import generate_data
 
     target = Path(args.target) if args.target else default_target_dir()
     set_threads(args.threads)
     device = resolve_device(args.device)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype) or native_dtype(device)
+    dtype = frozen_target_dtype(args.dtype, device)
     model = load_target(target, dtype, device)
     tokenizer = load_tokenizer(target)
     generate_data(model, tokenizer, args.prompts, args.out, args.num_prompts, args.batch_size,

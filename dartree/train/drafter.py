@@ -465,11 +465,11 @@ def _run_train(args) -> int:
     torch.manual_seed(0)
     set_threads(args.threads)
     device = resolve_device(args.device)
-    from ..hardware import native_dtype
+    from ..hardware import frozen_target_dtype
 
     # The frozen target only computes features and teacher distributions: bf16 where it is native
     # (measured ~1.8x faster on an AVX-512-BF16 CPU); the drafter itself trains in fp32.
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype) or native_dtype(device)
+    dtype = frozen_target_dtype(args.dtype, device)
     target = load_target(Path(args.target) if args.target else default_target_dir(), dtype, device)
     cfg = TrainConfig(data=args.data, out=args.out, steps=args.steps, seqs_per_step=args.seqs_per_step, anchors=args.anchors,
                       draft_vocab=args.draft_vocab, base_weight=args.base_weight, tapped=[int(x) for x in args.tapped.split(",")],
