@@ -136,6 +136,54 @@ def test_training_step_makes_every_tensor_on_the_model_device(tiny_data, tmp_pat
     assert metrics["sim_tau_corrected"] >= 1.0
 
 
+def test_feature_cache_reuses_the_target_forward(tiny_data, tmp_path, monkeypatch):
+    """A cached sequence skips the target's forward and yields the very tensors it would recompute;
+    past the memory cap, sequences are recomputed instead of cached."""
+    import dartree.train.drafter as drafter_mod
+
+    _, target, data = tiny_data
+    calls = []
+    real = drafter_mod.target_features
+    monkeypatch.setattr(drafter_mod, "target_features", lambda *a: calls.append(1) or real(*a))
+    cfg = TrainConfig(data=str(data), out=str(tmp_path / "run"), steps=2, anchors=6, block_size=5, gru=16, rank=8,
+                      heldout_seqs=4, tapped=[1, 2])
+    trainer = Trainer(target, cfg, "drafter")
+    seq = trainer.train_seqs[3]
+    fresh = trainer.features(seq)
+    cached = [trainer.features(seq, key=3) for _ in range(3)]
+    assert len(calls) == 2  # the uncached call, then one forward for key 3
+    for again in cached:
+        for a, b in zip(fresh, again):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    trainer.cfg.feature_cache_gb = 0.0
+    trainer.features(trainer.train_seqs[4], key=4)
+    trainer.features(trainer.train_seqs[4], key=4)
+    assert len(calls) == 4 and 4 not in trainer._feature_cache
+
+
+def test_bf16_autocast_step_matches_float32(tiny_data, tmp_path):
+    """Autocast only rounds the products: losses and gradients stay close to the fp32 step, the
+    weights and their gradients stay fp32, and training still lowers the held-out loss."""
+    _, target, data = tiny_data
+    runs = {}
+    for autocast in (False, True):
+        torch.manual_seed(0)
+        cfg = TrainConfig(data=str(data), out=str(tmp_path / f"run-{autocast}"), steps=30, anchors=6, block_size=5, gru=16,
+                          rank=8, lr=3e-3, heldout_seqs=4, tapped=[1, 2], draft_vocab=12, eval_every=30, autocast=autocast)
+        trainer = Trainer(target, cfg, "drafter")
+        l_final, l_base, *_ = trainer.sequence_losses(trainer.train_seqs[0], random.Random(0), grad=True)
+        (l_final + l_base).backward()
+        runs[autocast] = (l_final.item(), trainer.model.fc.weight.grad.clone())
+        assert trainer.model.fc.weight.dtype == trainer.model.fc.weight.grad.dtype == torch.float32
+        if autocast:
+            trainer.model.zero_grad()
+            first = trainer.evaluate()["heldout_loss"]
+            trainer.run()
+            assert trainer.evaluate()["heldout_loss"] < first
+    assert runs[True][0] == pytest.approx(runs[False][0], rel=2e-2)
+    assert torch.nn.functional.cosine_similarity(runs[True][1].flatten(), runs[False][1].flatten(), dim=0) > 0.99
+
+
 def test_resolve_device(monkeypatch):
     from dartree.errors import DartreeError
     from dartree.loading import resolve_device

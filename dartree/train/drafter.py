@@ -70,6 +70,10 @@ class TrainConfig:
     init_drafter: str = "runs/drafter/checkpoint"  # markov step: the trained drafter whose backbone is kept
     resume_from: str | None = None  # drafter step: continue from these weights (e.g. the shipped asset) at its training.json step
     tapped: list[int] = field(default_factory=lambda: [1, 7, 14, 21, 27])
+    # bf16 autocast for the drafter's forward and backward (weights, optimiser, losses stay fp32):
+    # measured 2-2.5x faster matrix products on an AVX512-BF16 CPU, one thread.
+    autocast: bool = False
+    feature_cache_gb: float = 4.0  # the target's features of training sequences kept in memory (0: recompute every time)
 
 
 def draft_vocabulary(seqs: list[Sequence], size: int, vocab_size: int, prior: torch.Tensor | None = None) -> torch.Tensor:
@@ -234,6 +238,8 @@ class Trainer:
         self.heldout = [seqs[i] for i in sorted(held)]
         self.train_seqs = [seqs[i] for i in range(len(seqs)) if i not in held]
         self.rng = random.Random(cfg.seed + 1)
+        self._feature_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._feature_cache_bytes = 0
         ckpt = self.out / "checkpoint"
         if (ckpt / "config.json").is_file():
             self.model = load_drafter(ckpt)
@@ -291,24 +297,38 @@ class Trainer:
         ramp = max(0.0, 1.0 - step / span) if span > 0 else 0.0
         return max(self.cfg.base_weight, ramp)
 
-    def features(self, seq: Sequence):
+    def features(self, seq: Sequence, key: int | None = None):
         """The target's tapped states and teacher log-probabilities (over the draft vocabulary) of
-        positions 0..L-2 of one sequence: one teacher-forced forward feeds every anchor."""
+        positions 0..L-2 of one sequence: one teacher-forced forward feeds every anchor. With ``key``
+        (the training sequence's index) the forward's states are kept, in the target's dtype, while
+        the cache has room, so later epochs skip it (~30 % of a step); the teacher's distribution is
+        recomputed from the kept final states (one small product) rather than stored (14x larger)."""
         tokens = seq.tokens.to(self.device)
-        feats, final = target_features(self.target, self.cfg.tapped, tokens)
+        states = self._feature_cache.get(key) if key is not None else None
+        if states is None:
+            states = target_features(self.target, self.cfg.tapped, tokens)
+            size = sum(t.numel() * t.element_size() for t in states)
+            if key is not None and self._feature_cache_bytes + size <= self.cfg.feature_cache_gb * 2**30:
+                self._feature_cache[key] = states
+                self._feature_cache_bytes += size
+        feats, final = states
         with torch.no_grad():
             teacher = (final[:-1].float() @ self.teacher_rows.T).log_softmax(-1)
         return tokens, feats[:-1].float(), teacher
+
+    def _compute(self):
+        """The context the drafter's forward and backward run under (bf16 autocast when asked)."""
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.autocast)
 
     def sequence_losses(self, seq: Sequence, rng, grad: bool, prepared=None):
         cfg = self.cfg
         tokens, feats, teacher = prepared or self.features(seq)
         a, valid, labels, prev = block_batch(Sequence(tokens, seq.prompt_len), cfg.anchors, cfg.block_size, rng)
         ctx = torch.enable_grad() if grad and self.stage != "markov" else torch.no_grad()
-        with ctx:
+        with ctx, self._compute():
             hidden = drafter_outputs(self.model, self.embed, tokens, feats, a, cfg.block_size)
             base = self.model.lm_head(hidden) if self.model.lm_head is not None else hidden @ self.out_weight.T
-        with torch.enable_grad() if grad else torch.no_grad():
+        with torch.enable_grad() if grad else torch.no_grad(), self._compute():
             final = self.model.head.block_logits(hidden, base, prev)
         tpos = (a[:, None] + torch.arange(cfg.block_size, device=a.device)[None, :]).clamp(max=teacher.shape[0] - 1)
         # Every slot goes through the loss (invalid ones, past the sequence's end, with weight 0):
@@ -382,8 +402,10 @@ class Trainer:
             self.opt.zero_grad(set_to_none=True)
             total = 0.0
             for _ in range(cfg.seqs_per_step):
-                seq = self.train_seqs[self.rng.randrange(len(self.train_seqs))]
-                l_final, l_base, *_ = self.sequence_losses(seq, self.rng, grad=True)
+                index = self.rng.randrange(len(self.train_seqs))
+                seq = self.train_seqs[index]
+                prepared = self.features(seq, key=index)
+                l_final, l_base, *_ = self.sequence_losses(seq, self.rng, grad=True, prepared=prepared)
                 loss = ((1 - lam) * l_final + lam * l_base) / cfg.seqs_per_step
                 loss.backward()
                 total += loss.item()
@@ -450,6 +472,11 @@ def add_drafter_args(steps) -> None:
         add_threads_arg(p)
         p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                        help="the frozen target's dtype for the teacher-forced forward (auto: bfloat16 where native, else float32)")
+        p.add_argument("--compute-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                       help="the drafter's forward and backward products: bfloat16 autocast (weights, optimiser and losses "
+                            "stay float32) or float32; auto: bfloat16 where native (measured 2-2.5x faster products on AVX512-BF16)")
+        p.add_argument("--feature-cache-gb", type=float, default=TrainConfig.feature_cache_gb,
+                       help="memory for the target's features of training sequences, so later epochs skip its forward (0: off)")
         if name == "drafter":
             p.add_argument("--resume-from", help="continue training these drafter weights (e.g. dartree/assets/smollm2-drafter-domino) "
                            "at the step in its training.json, when --out has no checkpoint yet")
@@ -475,7 +502,8 @@ def _run_train(args) -> int:
                       draft_vocab=args.draft_vocab, base_weight=args.base_weight, tapped=[int(x) for x in args.tapped.split(",")],
                       layers=args.layers, gru=args.gru, rank=args.rank, markov_rank=args.markov_rank, lr=args.lr,
                       eval_every=args.eval_every, save_every=args.eval_every, max_minutes=args.max_minutes,
-                      device=str(device))
+                      device=str(device), autocast=frozen_target_dtype(args.compute_dtype, device) == torch.bfloat16,
+                      feature_cache_gb=args.feature_cache_gb)
     if args.stage == "markov":
         cfg.init_drafter = args.init_drafter
     else:
