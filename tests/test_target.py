@@ -150,3 +150,28 @@ def test_the_walk_asks_for_the_likely_path_first_and_other_rows_only_when_needed
     asked.clear()
     assert walk(tree, choose) == ([0, 1, 5], 0)
     assert asked == [[0, 2, 4], [1, 3], [5]]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_loaded_targets_run_bf16_attention_in_float32_on_cpu(family, model_dirs, monkeypatch):
+    """load_target's attention is HF's SDPA, upcast to fp32 for a bf16 CPU model (torch's bf16 CPU
+    kernel is slower than fp32's): fp32 models are unchanged bit for bit, and a bf16 model calls SDPA
+    with fp32 q/k/v and returns bf16 states close to the fp32 model's."""
+    import dartree.loading as loading
+    from transformers.integrations import sdpa_attention
+
+    path = model_dirs[(family, "target")]
+    ids = torch.tensor([[3, 1, 4, 1, 5, 7, 2, 6]])
+    fp32 = loading.load_target(path, torch.float32, "cpu")
+    assert fp32.config._attn_implementation == loading.ATTENTION
+    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    with torch.no_grad():
+        want = plain(ids).logits
+        assert torch.equal(fp32(ids).logits, want)
+        seen = []
+        real = sdpa_attention.sdpa_attention_forward
+        monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward", lambda m, q, *a, **k: seen.append(q.dtype) or real(m, q, *a, **k))
+        bf16 = loading.load_target(path, torch.bfloat16, "cpu")
+        got = bf16(ids).logits
+    assert got.dtype == torch.bfloat16 and seen and set(seen) == {torch.float32}
+    torch.testing.assert_close(got.float(), want, rtol=0, atol=0.1 * want.abs().max().item())
