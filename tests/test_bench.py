@@ -169,3 +169,37 @@ def test_report_of_a_stopped_run_compares_only_prompts_every_configuration_finis
     assert "unfinished: 1 prompt(s)" in text and "the 2 prompts every configuration finished" in text
     tables = lambda t: t[t.index("## "):]  # noqa: E731
     assert tables(text) == tables(build_report(finished).read_text())
+
+
+def test_a_run_can_cross_dtypes_each_against_its_own_ar(tiny_dirs, tmp_path):
+    """--dtype float32,bfloat16: the grid runs once per dtype; float32 keys are the keys of runs
+    before dtypes were crossed (old records resume); each 16-bit run is compared with ar of its own
+    dtype and with float32 ar, and the report shows both speedups."""
+    grid = build_grid(["dartree", "hf-generate"], [0.0], [4], dtypes=["float32", "bfloat16"])
+    assert [g.key for g in grid] == ["ar|T=0", "dartree|T=0|B=4|W=12|K=64|beta=-0.2", "hf-generate|T=0",
+                                     "ar|T=0|bfloat16", "dartree|T=0|B=4|W=12|K=64|beta=-0.2|bfloat16", "hf-generate|T=0|bfloat16"]
+    assert build_grid(["dartree"], [0.0], [4]) == [g for g in grid if g.dtype == "float32" and g.method != "hf-generate"]
+    pipes = {d: dartree.load(*tiny_dirs, dtype=d) for d in ("float32", "bfloat16")}
+    samples = select(load_samples("gsm8k"), 2)
+    out = tmp_path / "records.jsonl"
+    records = run(pipes, samples, grid, out, max_new_tokens=6)
+    assert len(records) == 2 * len(grid)
+    for r in records:
+        assert r["dtype"] in ("float32", "bfloat16")
+        if r["dtype"] == "bfloat16":
+            assert "matches_ar_float32" in r
+            if r["method"] != "ar" and r["method"] != "hf-generate":
+                assert "matches_ar" in r
+        else:
+            assert "matches_ar_float32" not in r
+    summaries = {(s.dataset, s.key): s for s in summarise(read_records(out))}
+    for (dataset, key), s in summaries.items():
+        ar32 = summaries[(dataset, "ar|T=0")]
+        if s.config.dtype == "bfloat16":
+            assert s.speedup_vs_ar_float32 == pytest.approx(s.tokens_per_second / ar32.tokens_per_second)
+            same = summaries[(dataset, "ar|T=0|bfloat16")]
+            assert s.speedup_vs_ar == pytest.approx(s.tokens_per_second / same.tokens_per_second)
+        else:
+            assert s.speedup_vs_ar_float32 is None
+    text = build_report(tmp_path).read_text()
+    assert "vs fp32 ar" in text and "bfloat16" in text

@@ -103,7 +103,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--data-dir", help="folder with the benchmark files (default ../shared/benchmarks)")
     p.add_argument("--target", help="target directory (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--drafter", help="drafter directory (default: the shipped one)")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="float32",
+                   help="float32 (default), bfloat16, auto, or several comma-separated (e.g. float32,bfloat16): the whole grid "
+                        "runs in each, side by side in one process, each dtype against its own ar")
     add_threads_arg(p)
     p.add_argument(
         "--shard",
@@ -172,7 +174,15 @@ def run_bench(args) -> int:
             raise DartreeError(f"unknown method {m!r}; choose from {', '.join(METHODS + PEERS)}")
     temps = _floats(args.temperatures, "temperatures")
     budgets, widths, betas = _budgets(args.budgets), _ints(args.widths, "widths"), _floats(args.betas, "betas")
-    grid = build_grid(methods, temps, budgets, widths, betas, args.top_k)
+    from ..loading import parse_dtype
+
+    try:
+        dtypes = list(dict.fromkeys(str(parse_dtype(d.strip())).removeprefix("torch.") for d in args.dtype.split(",") if d.strip()))
+    except (DartreeError, ValueError, TypeError) as exc:
+        raise DartreeError(f"--dtype: {exc}") from None
+    if not dtypes:
+        raise DartreeError("--dtype needs at least one dtype")
+    grid = build_grid(methods, temps, budgets, widths, betas, args.top_k, dtypes=dtypes)
     for c in grid:  # the same checks as generate's, before the model loads
         if c.method not in PEERS:
             c.settings(args.max_new_tokens, args.seed).validate()
@@ -182,7 +192,10 @@ def run_bench(args) -> int:
         raise DartreeError("--replay replays fixed budgets; budget 'auto' decides from measured times, so decode it (drop --replay)")
     if args.replay and temps != [0.0]:
         raise DartreeError("--replay measures temperature 0 only; drop --temperatures")
-    pipe = dartree.load(args.target, args.drafter, dtype=args.dtype, threads=args.threads)
+    if args.replay and len(dtypes) > 1:
+        raise DartreeError("--replay takes one --dtype (replay measures acceptance, not time)")
+    pipes = {d: dartree.load(args.target, args.drafter, dtype=d, threads=args.threads) for d in dtypes}
+    pipe = pipes[dtypes[0]]
     missing = [m for m in methods if m not in PEERS and m not in pipe.methods]
     if missing:
         raise DartreeError(f"this drafter cannot run {', '.join(missing)}; it supports {', '.join(pipe.methods)}")
@@ -198,6 +211,6 @@ def run_bench(args) -> int:
     if args.replay:
         run_replay(pipe, samples, grid, out / "records.jsonl", args.max_new_tokens)
     else:
-        run(pipe, samples, grid, out / "records.jsonl", args.max_new_tokens, args.seed)
+        run(pipes, samples, grid, out / "records.jsonl", args.max_new_tokens, args.seed)
     print(f"wrote {build_report(out)}")
     return 0

@@ -23,6 +23,8 @@ class Summary:
     tokens_per_second: float = 0.0  # total new tokens / total decode time
     speedup_vs_ar: float | None = None
     speedup_vs_hf: float | None = None
+    speedup_vs_ar_float32: float | None = None  # a 16-bit configuration against float32 ar (the exact CPU default)
+    matches_ar_float32: int = 0  # samples whose tokens equal float32 ar's (T = 0, other dtypes)
     stage_ms_per_round: dict = field(default_factory=dict)
     histogram: dict = field(default_factory=dict)
     mismatches: int = 0
@@ -59,18 +61,22 @@ def summarise(records: list[dict]) -> list[Summary]:
                 for k, v in (t.get("stage_ms") or {}).items():
                     stages[k] += v
             s.mismatches += int(r.get("matches_ar") is False)
+            s.matches_ar_float32 += int(r.get("matches_ar_float32") is True)
         s.tau_macro = sum(per_sample) / len(per_sample) if per_sample else 0.0
         s.tau_micro = tokens / rounds if rounds else 0.0
         s.tokens_per_second = new / decode if decode > 0 else 0.0
         s.stage_ms_per_round = {k: stages[k] / rounds for k in STAGES if rounds}
         s.histogram = dict(sorted(hist.items()))
         out.append(s)
-    by = {(s.dataset, s.temperature, s.method): s for s in out if s.method in ("ar", "hf-generate")}
+    by = {(s.dataset, s.temperature, s.method, s.config.dtype): s for s in out if s.method in ("ar", "hf-generate")}
     for s in out:
-        ar = by.get((s.dataset, s.temperature, "ar"))
-        hf = by.get((s.dataset, 0.0, "hf-generate"))
+        ar = by.get((s.dataset, s.temperature, "ar", s.config.dtype))  # ar in the same dtype
+        ar32 = by.get((s.dataset, s.temperature, "ar", "float32"))
+        hf = by.get((s.dataset, 0.0, "hf-generate", "float32"))  # what a user would otherwise run
         if ar and ar.tokens_per_second:
             s.speedup_vs_ar = s.tokens_per_second / ar.tokens_per_second
+        if s.config.dtype != "float32" and ar32 and ar32.tokens_per_second:
+            s.speedup_vs_ar_float32 = s.tokens_per_second / ar32.tokens_per_second
         if hf and hf.tokens_per_second:
             s.speedup_vs_hf = s.tokens_per_second / hf.tokens_per_second
     return out
@@ -117,9 +123,14 @@ def markdown(summaries: list[Summary], title: str = "dartree benchmark") -> str:
             if timed:
                 mean += " / " + (f"{sum(sps) / len(sps):.2f}x" if sps else "n/a")
             lines.append(f"| {k} | " + " | ".join(vals) + f" | {mean} |")
+        # A run that crosses dtypes also compares each 16-bit configuration with float32 ar: its speed
+        # and how many samples reproduce float32 ar's tokens.
+        crossed = any(s.config.dtype != "float32" for s in rows)
+        extra = " vs fp32 ar | same tokens as fp32 ar |" if crossed else ""
         lines += ["", f"### Details at temperature {temp:g}", "",
-                  "| dataset | method | samples | τ macro | τ micro | tokens/s | vs ar | vs HF generate | draft ms/round | tree ms/round | verify ms/round | commit ms/round | T=0 mismatches |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| dataset | method | samples | τ macro | τ micro | tokens/s | vs ar (same dtype) | vs HF generate | draft ms/round | "
+                  "tree ms/round | verify ms/round | commit ms/round | T=0 mismatches |" + extra,
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if crossed else "")]
         for s in sorted(rows, key=lambda s: (s.dataset, _order(s))):
             st = s.stage_ms_per_round
             f = lambda x: f"{x:.2f}x" if x else "n/a"  # noqa: E731
@@ -132,6 +143,8 @@ def markdown(summaries: list[Summary], title: str = "dartree benchmark") -> str:
                 f"{f(s.speedup_vs_ar)} | {f(s.speedup_vs_hf)} | "
                 + " | ".join(stage(k) for k in STAGES)
                 + f" | {s.mismatches} |"
+                + ((f" {f(s.speedup_vs_ar_float32)} | " + (f"{s.matches_ar_float32}/{s.samples} |" if s.config.dtype != "float32" else "– |"))
+                   if crossed else "")
             )
         lines.append("")
     return "\n".join(lines)
