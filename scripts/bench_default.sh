@@ -28,7 +28,7 @@ case "${1:-}" in
         --methods $ALL --threads 1 --out $OUT/seven-benchmarks/replay ;;
   fast-decoded)             # issue 13: ar, HF peers and dartree (budget auto / 16 / 64) side by side, 7 datasets, fp32 and bf16 in one run
     .venv/bin/dartree bench --datasets all --limit ${LIMIT:-1} --max-new-tokens 128 --budgets auto,16,64 --threads 1 --dtype ${DTYPE:-float32,bfloat16} \
-        --methods ar,hf-generate,hf-prompt-lookup,dartree --out $OUT/fast-on-this-machine/${TAG:-fp32} ;;
+        --methods ar,hf-generate,hf-prompt-lookup,dartree --out $OUT/fast-on-this-machine/${TAG:-side-by-side} ;;
   drafter-v2-replay)        # the retrained drafter: T=0 tau of every method on 15 + 15 held-out prompts (replay)
     R=$OUT/drafter-v2/gsm8k-humaneval-replay; mkdir -p $R
     .venv/bin/dartree bench --replay --datasets gsm8k,humaneval --limit 15 --max-new-tokens 256 \
