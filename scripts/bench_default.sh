@@ -35,5 +35,20 @@ case "${1:-}" in
         --methods $ALL --budgets 16,64 --threads 1 --out $R
     .venv/bin/dartree bench --replay --datasets gsm8k,humaneval --limit 15 --max-new-tokens 256 \
         --methods dartree --widths 24 --budgets 16,64 --threads 1 --out $R ;;
-  *) echo "usage: $0 gsm8k-humaneval-replay|gsm8k-humaneval-decoded|ablations|seven-decoded|seven-replay|fast-decoded|drafter-v2-replay" >&2; exit 2 ;;
+  drafter-replay)           # a drafter's T=0 tau, every method x B 16/32/64: the 60 GSM8K + HumanEval prompts (SHARD=1/2)
+    # and 5 prompts of each of the seven benchmarks (SHARD=2/2); run both shards at once, one core each.
+    # The target's greedy continuations do not depend on the drafter: earlier runs' greedy.jsonl are reused.
+    R=$OUT/${TAG:-drafter}; mkdir -p $R/gsm8k-humaneval-replay $R/seven-replay
+    for d in $R/gsm8k-humaneval-replay $R/seven-replay; do
+      [ -f $d/greedy.jsonl ] || cat $OUT/drafter-v2/gsm8k-humaneval-replay/greedy.jsonl $OUT/seven-benchmarks/replay/greedy.jsonl \
+          > $d/greedy.jsonl 2>/dev/null || true
+    done
+    if [ "${SHARD:-1/2}" = 1/2 ]; then
+      .venv/bin/dartree bench --replay --datasets gsm8k,humaneval --limit 30 --max-new-tokens 256 \
+          --methods $ALL --budgets 16,32,64 --threads 1 --out $R/gsm8k-humaneval-replay
+    else
+      .venv/bin/dartree bench --replay --datasets all --limit 5 --max-new-tokens 256 \
+          --methods $ALL --budgets 16,32,64 --threads 1 --out $R/seven-replay
+    fi ;;
+  *) echo "usage: $0 gsm8k-humaneval-replay|gsm8k-humaneval-decoded|ablations|seven-decoded|seven-replay|fast-decoded|drafter-v2-replay|drafter-replay" >&2; exit 2 ;;
 esac
