@@ -13,7 +13,7 @@ DATA=${DATA:-data/smollm2-selfdistill}
 # 2. Drafter + Domino head: reduced draft vocabulary, base-logit loss at every depth, 64 anchors per sequence.
 # A new session has no runs/ folder: --resume-from continues the shipped weights at the step in their
 # training.json (the optimiser's moments start afresh). Session 5 ran steps 1-2808 of a 6000-step
-# schedule on 9 shards; session 6 continued to a 7600-step schedule on 23 shards (the cosine is
+# schedule on 9 shards; session 6 continued it to step 6665 of a 7600-step schedule on 25 shards (the cosine is
 # recomputed for the new length; bf16 autocast and the feature cache make a step ~2x cheaper).
 .venv/bin/dartree train drafter --data "$DATA" --out runs/drafter-v2 --steps "${DRAFTER_STEPS:-7600}" \
     --draft-vocab 8192 --anchors 64 --seqs-per-step 1 --eval-every 200 \
