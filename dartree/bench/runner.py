@@ -184,7 +184,7 @@ def run(pipes, samples: list[Sample], grid: list[RunConfig], out_path: Path, max
     out_path.parent.mkdir(parents=True, exist_ok=True)
     records = read_records(out_path)
     done = {(r["dataset"], r["sample_id"], r["key"]) for r in records}
-    ar_tokens = {(r["dataset"], r["sample_id"], r["temperature"], r.get("dtype", "float32")): [t["token_ids"] for t in r["turns"]]
+    ar_tokens = {(r["dataset"], r["sample_id"], r["temperature"], RunConfig.from_record(r).dtype): [t["token_ids"] for t in r["turns"]]
                  for r in records if r["method"] == "ar"}
     mismatches = rounded = 0
     todo = [(s, c) for s in samples for c in grid if (s.dataset, s.sample_id, c.key) not in done]

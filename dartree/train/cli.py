@@ -45,13 +45,13 @@ def _run_data(args) -> int:
 
     from ..default_model import default_target_dir
     from ..loading import load_target, load_tokenizer, resolve_device
-    from ..hardware import frozen_target_dtype, set_threads
+    from ..hardware import inexact_work_dtype, set_threads
     from .data import generate_data
 
     target = Path(args.target) if args.target else default_target_dir()
     set_threads(args.threads)
     device = resolve_device(args.device)
-    dtype = frozen_target_dtype(args.dtype, device)
+    dtype = inexact_work_dtype(args.dtype, device)
     model = load_target(target, dtype, device)
     tokenizer = load_tokenizer(target)
     generate_data(model, tokenizer, args.prompts, args.out, args.num_prompts, args.batch_size,

@@ -492,17 +492,18 @@ def _run_train(args) -> int:
     torch.manual_seed(0)
     set_threads(args.threads)
     device = resolve_device(args.device)
-    from ..hardware import frozen_target_dtype
+    from ..hardware import inexact_work_dtype
 
     # The frozen target only computes features and teacher distributions: bf16 where it is native
-    # (measured ~1.8x faster on an AVX-512-BF16 CPU); the drafter itself trains in fp32.
-    dtype = frozen_target_dtype(args.dtype, device)
+    # (measured ~1.8x faster on an AVX-512-BF16 CPU). The drafter keeps fp32 weights, optimiser and
+    # losses; its products run under bf16 autocast where bf16 is native (--compute-dtype).
+    dtype = inexact_work_dtype(args.dtype, device)
     target = load_target(Path(args.target) if args.target else default_target_dir(), dtype, device)
     cfg = TrainConfig(data=args.data, out=args.out, steps=args.steps, seqs_per_step=args.seqs_per_step, anchors=args.anchors,
                       draft_vocab=args.draft_vocab, base_weight=args.base_weight, tapped=[int(x) for x in args.tapped.split(",")],
                       layers=args.layers, gru=args.gru, rank=args.rank, markov_rank=args.markov_rank, lr=args.lr,
                       eval_every=args.eval_every, save_every=args.eval_every, max_minutes=args.max_minutes,
-                      device=str(device), autocast=frozen_target_dtype(args.compute_dtype, device) == torch.bfloat16,
+                      device=str(device), autocast=inexact_work_dtype(args.compute_dtype, device) == torch.bfloat16,
                       feature_cache_gb=args.feature_cache_gb)
     if args.stage == "markov":
         cfg.init_drafter = args.init_drafter
