@@ -212,3 +212,43 @@ def test_missing_gpu_is_a_one_line_cli_error(argv, monkeypatch, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "no usable CUDA GPU" in err and "Traceback" not in err
+
+
+def test_growing_a_resumed_drafter_keeps_its_outputs_then_trains_the_new_layer(tiny_data, tmp_path):
+    """``--layers 2 --resume-from`` a 1-layer drafter: the grown drafter's logits equal the trained
+    one's (the new layer starts as the identity), training then moves the new layer, the grown
+    checkpoint saves and loads with 2 layers, and a Markov head trains on the 2-layer backbone."""
+    target_dir, target, data = tiny_data
+    base = dict(data=str(data), anchors=6, block_size=5, gru=16, rank=8, lr=3e-3, heldout_seqs=4, eval_every=10,
+                save_every=10, tapped=[1, 2], draft_vocab=12)
+    one = Trainer(target, TrainConfig(out=str(tmp_path / "one"), steps=10, **base), "drafter")
+    one.run()
+    export(tmp_path / "one" / "checkpoint", tmp_path / "one-shipped", dtype=torch.float32)
+    grown = Trainer(target, TrainConfig(out=str(tmp_path / "two"), steps=30, layers=2,
+                                        resume_from=str(tmp_path / "one-shipped"), **base), "drafter")
+    assert grown.step == 10 and len(grown.model.layers) == 2 and grown.model.config.num_hidden_layers == 2
+    one.model.eval(), grown.model.eval()
+    seq = one.heldout[0]
+    before = one.sequence_losses(seq, random.Random(3), grad=False)
+    after = grown.sequence_losses(seq, random.Random(3), grad=False)
+    for b, a in zip(before[3:5], after[3:5]):  # base and corrected logits
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    new_layer = {k: v.clone() for k, v in grown.model.layers[1].state_dict().items()}
+    grown.model.train()
+    grown.run()
+    assert grown.step == 30
+    moved = [k for k, v in grown.model.layers[1].state_dict().items() if not torch.equal(v, new_layer[k])]
+    assert any("o_proj" in k for k in moved) and any("q_proj" in k for k in moved)
+    again = dartree.loading.load_drafter(tmp_path / "two" / "checkpoint")
+    assert again.config.num_hidden_layers == 2 and len(again.layers) == 2
+    with pytest.raises(dartree.errors.DartreeError, match="fewer than the 2 layers"):
+        Trainer(target, TrainConfig(out=str(tmp_path / "three"), steps=31, layers=1,
+                                    resume_from=str(tmp_path / "two" / "checkpoint"), **base), "drafter")
+    markov = Trainer(target, TrainConfig(out=str(tmp_path / "markov"), steps=4, markov_rank=8,
+                                         init_drafter=str(tmp_path / "two" / "checkpoint"),
+                                         **{k: v for k, v in base.items() if k != "draft_vocab"}), "markov")
+    assert len(markov.model.layers) == 2
+    markov.run()
+    pipe = dartree.load(target_dir, tmp_path / "markov" / "checkpoint", dtype=torch.float64)
+    want = hf_greedy(pipe.model, [3, 1, 4], 10)
+    assert pipe.generate(input_ids=[3, 1, 4], method="dartree", max_new_tokens=10, stop_token_ids=[]).token_ids == want

@@ -25,7 +25,7 @@ import json
 import math
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -49,7 +49,7 @@ class TrainConfig:
     anchors: int = 64  # per sequence and step; every one comes from the same target forward
     draft_vocab: int = 8192  # V_d; 0: the target's full output layer (coverage measured in docs/default-model.md)
     block_size: int = 16
-    layers: int = 1
+    layers: int | None = None  # new runs: 1; a resumed run keeps its layers, or grows to this many (``grow_layers``)
     gru: int = 256
     rank: int = 64
     markov_rank: int = 64
@@ -112,7 +112,7 @@ def new_drafter(target, cfg: TrainConfig, head: str | None, vocab: torch.Tensor 
     dcfg = DrafterConfig(
         hidden_size=t.hidden_size,
         intermediate_size=t.intermediate_size,
-        num_hidden_layers=cfg.layers,
+        num_hidden_layers=cfg.layers or 1,
         num_attention_heads=t.num_attention_heads,
         num_key_value_heads=t.num_key_value_heads,
         head_dim=getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads,
@@ -148,12 +148,37 @@ def new_drafter(target, cfg: TrainConfig, head: str | None, vocab: torch.Tensor 
             model.lm_head.weight.copy_(target.get_output_embeddings().weight[vocab])
             model.d2t.copy_(vocab - torch.arange(vocab.numel()))
         if cfg.init_from_target:
-            src_layers = target.model.layers[-cfg.layers:]
+            src_layers = target.model.layers[-model.config.num_hidden_layers:]
             for mine, theirs in zip(model.layers, src_layers):
                 sd = {k: v for k, v in theirs.state_dict().items() if k in mine.state_dict()}
                 mine.load_state_dict(sd, strict=False)
             model.norm.weight.copy_(target.model.norm.weight)
     return model
+
+
+def grow_layers(model: DrafterModel, layers: int, seed: int = 0) -> None:
+    """Append randomly initialised layers whose output projections (attention ``o_proj``, MLP
+    ``down_proj``) start at zero: each new layer adds nothing to the residual stream, so the grown
+    drafter computes exactly what the trained one did and training only has to learn the increment."""
+    from ..drafter import DrafterLayer
+
+    have = model.config.num_hidden_layers
+    if layers < have:
+        raise DartreeError(f"--layers {layers} is fewer than the {have} layers of the drafter being resumed")
+    gen = torch.Generator().manual_seed(seed + have)
+    model.config.num_hidden_layers = layers
+    ref = model.fc.weight
+    for _ in range(layers - have):
+        layer = DrafterLayer(model.config).to(device=ref.device, dtype=ref.dtype)
+        with torch.no_grad():
+            for name, p in layer.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                    p.zero_()
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen) * (1.0 / math.sqrt(p.shape[-1])))
+        model.layers.append(layer)
 
 
 def block_batch(seq: Sequence, anchors: int, block: int, rng: random.Random):
@@ -253,13 +278,15 @@ class Trainer:
             record = Path(cfg.resume_from) / TRAINING_RECORD
             self.step = json.loads(record.read_text())["step"] if record.is_file() else 0
             self.rng = random.Random(cfg.seed + 1 + self.step)
+            if cfg.layers:
+                grow_layers(self.model, cfg.layers, cfg.seed)
             state = None
         else:
             self.step = 0
             if stage == "markov":
                 base = load_drafter(cfg.init_drafter)
                 vocab = None if base.d2t is None else base.draft_to_target(torch.arange(base.config.output_vocab_size))
-                self.model = new_drafter(target, cfg, "markov", vocab)
+                self.model = new_drafter(target, replace(cfg, layers=base.config.num_hidden_layers), "markov", vocab)
                 own = self.model.state_dict()
                 own.update({k: v for k, v in base.state_dict().items() if not k.startswith("head.")})
                 self.model.load_state_dict(own)
@@ -460,7 +487,10 @@ def add_drafter_args(steps) -> None:
                        help="reduced draft vocabulary V_d: the most frequent target-written tokens (0: the target's whole vocabulary)")
         p.add_argument("--base-weight", type=float, default=TrainConfig.base_weight, help="weight of the base-logit loss after the curriculum")
         p.add_argument("--tapped", default=",".join(map(str, TrainConfig().tapped)), help="target layers the drafter reads")
-        p.add_argument("--layers", type=int, default=TrainConfig.layers)
+        p.add_argument("--layers", type=int, default=TrainConfig.layers,
+                       help="drafter layers (default: 1 for a new drafter; a resumed one keeps its own, or with "
+                            "--resume-from grows to this many: new layers start as the identity, so training continues "
+                            "from what the drafter already computes)")
         p.add_argument("--gru", type=int, default=TrainConfig.gru)
         p.add_argument("--rank", type=int, default=TrainConfig.rank)
         p.add_argument("--markov-rank", type=int, default=TrainConfig.markov_rank)
