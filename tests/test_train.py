@@ -252,3 +252,32 @@ def test_growing_a_resumed_drafter_keeps_its_outputs_then_trains_the_new_layer(t
     pipe = dartree.load(target_dir, tmp_path / "markov" / "checkpoint", dtype=torch.float64)
     want = hf_greedy(pipe.model, [3, 1, 4], 10)
     assert pipe.generate(input_ids=[3, 1, 4], method="dartree", max_new_tokens=10, stop_token_ids=[]).token_ids == want
+
+
+def test_data_generation_starts_at_a_shard_and_skips_what_another_process_wrote(tmp_path, monkeypatch):
+    """Two data processes share the work: one started at --start-shard 3 writes 3, 4, then wraps to
+    0, 1; a shard present at the start (2) and one written meanwhile by the other process (0) are
+    skipped, never generated twice."""
+    import dartree.train.data as data_mod
+
+    monkeypatch.setattr(data_mod, "training_prompts", lambda *_: [f"prompt {i}" for i in range(10)])
+    tok = type("Tok", (), {"eos_token_id": 0, "apply_chat_template": lambda self, msgs, **_: [1, 2, len(msgs[0]["content"])]})()
+    out = tmp_path / "data"
+    out.mkdir()
+    save_shard(out / "shard-00002.safetensors", [data_mod.Sequence(torch.tensor([1, 2, 3], dtype=torch.int32), 2)], {})
+    written = []
+
+    def fake_batch(model, batch, *_):
+        if written == [3]:  # while this process generates shard 4, the other one finishes shard 0
+            save_shard(out / "shard-00000.safetensors", [data_mod.Sequence(torch.tensor([1, 2, 3], dtype=torch.int32), 2)], {})
+        return [data_mod.Sequence(torch.tensor(p + [5], dtype=torch.int32), len(p)) for p in batch]
+
+    real_save = data_mod.save_shard
+    monkeypatch.setattr(data_mod, "generate_batch", fake_batch)
+    monkeypatch.setattr(data_mod, "save_shard", lambda path, seqs, meta: written.append(meta["shard"]) or real_save(path, seqs, meta))
+    model = torch.nn.Linear(1, 1)
+    data_mod.generate_data(model, tok, "unused", out, batch_size=2, start_shard=3)
+    assert written == [3, 4, 1]
+    assert sorted(p.name for p in out.iterdir()) == [f"shard-{k:05d}.safetensors" for k in range(5)]
+    with pytest.raises(dartree.errors.DartreeError, match="--start-shard must be between 0 and 4"):
+        data_mod.generate_data(model, tok, "unused", out, batch_size=2, start_shard=5)

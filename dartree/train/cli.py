@@ -32,6 +32,9 @@ def add_train_parser(sub) -> None:
     data.add_argument("--sample-fraction", type=float, default=0.25, help="share of shards sampled at T=1 (rest greedy)")
     data.add_argument("--max-minutes", type=float, default=None, help="stop cleanly after this long (resume later)")
     data.add_argument("--seed", type=int, default=0)
+    data.add_argument("--start-shard", type=int, default=0,
+                      help="write missing shards from this one on (wrapping around): a second process started further "
+                           "on shares the work, each skipping shards the other has written")
     data.add_argument("--device", default="auto", help="auto (default: a GPU when there is one, else the CPU), cpu, cuda or cuda:N")
     add_threads_arg(data)
     data.set_defaults(func=_run_data)
@@ -55,5 +58,6 @@ def _run_data(args) -> int:
     model = load_target(target, dtype, device)
     tokenizer = load_tokenizer(target)
     generate_data(model, tokenizer, args.prompts, args.out, args.num_prompts, args.batch_size,
-                  args.max_new_tokens, args.sample_fraction, args.seed, args.max_minutes)
+                  args.max_new_tokens, args.sample_fraction, args.seed, args.max_minutes,
+                  args.start_shard)
     return 0

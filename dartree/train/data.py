@@ -17,6 +17,7 @@ extends the data set, and an interrupted run resumes where it stopped.
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -148,7 +149,7 @@ def save_shard(path: Path, seqs: list[Sequence], meta: dict) -> None:
         "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
         "prompt_lens": torch.tensor([s.prompt_len for s in seqs], dtype=torch.int32),
     }
-    tmp = path.with_suffix(".partial")
+    tmp = path.with_suffix(f".{os.getpid()}.partial")  # two processes on one shard never share a temporary file
     save_file(tensors, str(tmp), metadata={k: str(v) for k, v in meta.items()})
     tmp.rename(path)
 
@@ -170,8 +171,12 @@ def load_all_shards(data_dir: str | Path, min_response: int = 2) -> list[Sequenc
 
 
 def generate_data(model, tokenizer, prompts_dir, out_dir, num_prompts: int | None = None, batch_size: int = 48,
-                  max_new_tokens: int = 256, sample_fraction: float = 0.25, seed: int = 0, max_minutes: float | None = None) -> None:
-    """Write shards of target-written responses until ``num_prompts`` (default: all) are covered (resumable)."""
+                  max_new_tokens: int = 256, sample_fraction: float = 0.25, seed: int = 0, max_minutes: float | None = None,
+                  start_shard: int = 0) -> None:
+    """Write shards of target-written responses until ``num_prompts`` (default: all) are covered (resumable).
+
+    Missing shards are written in order from ``start_shard`` (wrapping around), and a shard another
+    process wrote meanwhile is skipped, so two processes started at different shards share the work."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     texts = training_prompts(prompts_dir, seed)
@@ -184,13 +189,18 @@ def generate_data(model, tokenizer, prompts_dir, out_dir, num_prompts: int | Non
     shards = [encoded[i:i + batch_size] for i in range(0, len(encoded), batch_size)]
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     t0 = time.perf_counter()
-    todo = [k for k in range(len(shards)) if not (out_dir / f"shard-{k:05d}.safetensors").exists()]
+    if not 0 <= start_shard < len(shards):
+        raise DartreeError(f"--start-shard must be between 0 and {len(shards) - 1} (this prompt set makes {len(shards)} shards), got {start_shard}")
+    order = list(range(start_shard, len(shards))) + list(range(start_shard))
+    todo = [k for k in order if not (out_dir / f"shard-{k:05d}.safetensors").exists()]
     bar = tqdm(todo, desc=f"generating responses ({len(shards) - len(todo)} of {len(shards)} shards present)", unit="shard")
     new_total = 0
     for k in bar:
         if max_minutes is not None and time.perf_counter() - t0 > 60 * max_minutes:
             bar.write(f"stopping after {max_minutes} minutes; run again to resume at shard {k}")
             break
+        if (out_dir / f"shard-{k:05d}.safetensors").exists():  # written by another process meanwhile
+            continue
         temperature = 1.0 if random.Random(seed * 100_003 + k).random() < sample_fraction else 0.0
         gen = torch.Generator().manual_seed(seed * 1_000_003 + k)
         batch = sorted(shards[k], key=len)
