@@ -38,6 +38,7 @@ case "${1:-}" in
   drafter-replay)           # a drafter's T=0 tau, every method x B 16/32/64: the 60 GSM8K + HumanEval prompts (SHARD=1/2)
     # and 5 prompts of each of the seven benchmarks (SHARD=2/2); run both shards at once, one core each.
     # The target's greedy continuations do not depend on the drafter: earlier runs' greedy.jsonl are reused.
+    # DRAFTER=dir replays another drafter than the shipped one (e.g. a training checkpoint); METHODS narrows the grid.
     R=$OUT/${TAG:-drafter}; mkdir -p $R/gsm8k-humaneval-replay $R/seven-replay
     for d in $R/gsm8k-humaneval-replay $R/seven-replay; do
       [ -f $d/greedy.jsonl ] || cat $OUT/drafter-v2/gsm8k-humaneval-replay/greedy.jsonl $OUT/seven-benchmarks/replay/greedy.jsonl \
@@ -45,10 +46,10 @@ case "${1:-}" in
     done
     if [ "${SHARD:-1/2}" = 1/2 ]; then
       .venv/bin/dartree bench --replay --datasets gsm8k,humaneval --limit 30 --max-new-tokens 256 \
-          --methods $ALL --budgets 16,32,64 --threads 1 --out $R/gsm8k-humaneval-replay
+          --methods ${METHODS:-$ALL} --budgets 16,32,64 --threads 1 ${DRAFTER:+--drafter $DRAFTER} --out $R/gsm8k-humaneval-replay
     else
       .venv/bin/dartree bench --replay --datasets all --limit 5 --max-new-tokens 256 \
-          --methods $ALL --budgets 16,32,64 --threads 1 --out $R/seven-replay
+          --methods ${METHODS:-$ALL} --budgets 16,32,64 --threads 1 ${DRAFTER:+--drafter $DRAFTER} --out $R/seven-replay
     fi ;;
   *) echo "usage: $0 gsm8k-humaneval-replay|gsm8k-humaneval-decoded|ablations|seven-decoded|seven-replay|fast-decoded|drafter-v2-replay|drafter-replay" >&2; exit 2 ;;
 esac

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import dartree
-from dartree.train.data import generate_batch, load_shard, save_shard, target_features
+from dartree.train.data import generate_batch, load_shard, load_shards, save_shard, target_features
 from dartree.train.drafter import TrainConfig, Trainer, block_batch, draft_vocabulary, export, vocabulary_coverage
 
 from conftest import hf_greedy
@@ -281,3 +281,33 @@ def test_data_generation_starts_at_a_shard_and_skips_what_another_process_wrote(
     assert sorted(p.name for p in out.iterdir()) == [f"shard-{k:05d}.safetensors" for k in range(5)]
     with pytest.raises(dartree.errors.DartreeError, match="--start-shard must be between 0 and 4"):
         data_mod.generate_data(model, tok, "unused", out, batch_size=2, start_shard=5)
+
+
+def test_training_picks_up_shards_written_while_it_runs(tiny_data, tmp_path):
+    """A data job writing shards beside training feeds it: at a rescan the new shard's sequences are
+    appended (earlier ones keep their indices, so cached features stay theirs); held-out stays fixed."""
+    import shutil
+
+    _, target, data = tiny_data
+    mine = tmp_path / "data"
+    mine.mkdir()
+    for k in range(2):
+        shutil.copy(data / f"shard-{k:05d}.safetensors", mine)
+    cfg = TrainConfig(data=str(mine), out=str(tmp_path / "run"), steps=6, anchors=6, block_size=5, gru=16, rank=8,
+                      heldout_seqs=4, eval_every=100, tapped=[1, 2], rescan_every=3)
+    trainer = Trainer(target, cfg, "drafter")
+    before, held = list(trainer.train_seqs), [s.tokens for s in trainer.heldout]
+    trainer.features(before[5], key=5)
+    cfg.steps = 2
+    trainer.run()
+    assert len(trainer.train_seqs) == len(before)  # no rescan before step 3
+    (mine / "shard-00002.00042.partial").write_bytes(b"half-written")  # a shard being written is not read
+    shutil.copy(data / "shard-00002.safetensors", mine)
+    cfg.steps = 6
+    trainer.run()
+    extra = load_shards([data / "shard-00002.safetensors"])
+    assert len(trainer.train_seqs) == len(before) + len(extra)
+    assert all(a is b for a, b in zip(trainer.train_seqs, before))
+    assert [s.tokens.tolist() for s in trainer.train_seqs[len(before):]] == [s.tokens.tolist() for s in extra]
+    assert all(s.tokens is t for s, t in zip(trainer.heldout, held)) and 5 in trainer._feature_cache
+    assert trainer.add_new_shards() == 0

@@ -162,11 +162,16 @@ def load_shard(path: Path) -> list[Sequence]:
     return [Sequence(t["tokens"][a:b].long(), int(n)) for a, b, n in zip(offsets, offsets[1:], t["prompt_lens"].tolist())]
 
 
-def load_all_shards(data_dir: str | Path, min_response: int = 2) -> list[Sequence]:
-    """Every sequence of every shard in ``data_dir`` (in shard order) with at least ``min_response`` new tokens."""
+def shard_files(data_dir: str | Path) -> list[Path]:
+    """The complete shards in ``data_dir``, in shard order (a shard being written is not listed)."""
     files = sorted(Path(data_dir).glob("shard-*.safetensors"))
     if not files:
         raise DartreeError(f"no shards in {data_dir}; run `dartree train data --out {data_dir}` first")
+    return files
+
+
+def load_shards(files: list[Path], min_response: int = 2) -> list[Sequence]:
+    """Every sequence of ``files`` (in order) with at least ``min_response`` new tokens."""
     return [s for f in files for s in load_shard(f) if s.tokens.numel() - s.prompt_len >= min_response]
 
 

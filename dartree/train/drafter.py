@@ -37,7 +37,7 @@ from ..errors import DartreeError
 from ..hardware import set_threads
 from ..loading import load_drafter, save_drafter
 from ..trees import DARTreeBuilder, TreeSettings
-from .data import Sequence, load_all_shards, target_features
+from .data import Sequence, load_shards, shard_files, target_features
 
 
 @dataclass
@@ -74,6 +74,7 @@ class TrainConfig:
     # measured 2-2.5x faster matrix products on an AVX512-BF16 CPU, one thread.
     autocast: bool = False
     feature_cache_gb: float = 4.0  # the target's features of training sequences kept in memory (0: recompute every time)
+    rescan_every: int = 200  # steps between looks for new shards (a data job may be writing them meanwhile); 0: never
 
 
 def draft_vocabulary(seqs: list[Sequence], size: int, vocab_size: int, prior: torch.Tensor | None = None) -> torch.Tensor:
@@ -253,7 +254,8 @@ class Trainer:
         bad = [i for i in cfg.tapped if not 0 <= i < n_layers]
         if bad:
             raise DartreeError(f"tapped layers {bad} are out of range for a target with {n_layers} layers (0..{n_layers - 1})")
-        seqs = load_all_shards(cfg.data)
+        self._shards = shard_files(cfg.data)
+        seqs = load_shards(self._shards)
         if len(seqs) <= cfg.heldout_seqs:
             raise DartreeError(f"{cfg.data} holds {len(seqs)} usable sequences; training needs more than the "
                                f"{cfg.heldout_seqs} held out for evaluation")
@@ -309,6 +311,15 @@ class Trainer:
         if state is not None:
             self.opt.load_state_dict(state["opt"])
         self.log = open(self.out / "metrics.jsonl", "a")
+
+    def add_new_shards(self) -> int:
+        """Append the sequences of shards written since the data was loaded (a data job running
+        beside training); earlier sequences keep their indices, so the feature cache stays valid."""
+        new = [f for f in shard_files(self.cfg.data) if f not in set(self._shards)]
+        added = load_shards(new)
+        self._shards += new
+        self.train_seqs += added
+        return len(added)
 
     def lr_at(self, step):
         warm = max(1, int(self.cfg.warmup * self.cfg.steps))
@@ -423,6 +434,8 @@ class Trainer:
             if cfg.max_minutes is not None and time.perf_counter() - t0 > 60 * cfg.max_minutes:
                 bar.write(f"time limit reached at step {self.step}; run again to resume")
                 break
+            if cfg.rescan_every and self.step % cfg.rescan_every == 0 and (added := self.add_new_shards()):
+                bar.write(f"step {self.step}: {added} new sequences from new shards; training on {len(self.train_seqs)}")
             lr, lam = self.lr_at(self.step), self.lam_at(self.step)
             for g in self.opt.param_groups:
                 g["lr"] = lr
@@ -505,6 +518,9 @@ def add_drafter_args(steps) -> None:
         p.add_argument("--compute-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                        help="the drafter's forward and backward products: bfloat16 autocast (weights, optimiser and losses "
                             "stay float32) or float32; auto: bfloat16 where native (measured 2-2.5x faster products on AVX512-BF16)")
+        p.add_argument("--rescan-every", type=int, default=TrainConfig.rescan_every,
+                       help="steps between looks for new shards in --data, so a `dartree train data` job running beside "
+                            "training feeds it as it writes (0: never)")
         p.add_argument("--feature-cache-gb", type=float, default=TrainConfig.feature_cache_gb,
                        help="memory for the target's features of training sequences, so later epochs skip its forward (0: off)")
         if name == "drafter":
@@ -534,7 +550,7 @@ def _run_train(args) -> int:
                       layers=args.layers, gru=args.gru, rank=args.rank, markov_rank=args.markov_rank, lr=args.lr,
                       eval_every=args.eval_every, save_every=args.eval_every, max_minutes=args.max_minutes,
                       device=str(device), autocast=inexact_work_dtype(args.compute_dtype, device) == torch.bfloat16,
-                      feature_cache_gb=args.feature_cache_gb)
+                      feature_cache_gb=args.feature_cache_gb, rescan_every=args.rescan_every)
     if args.stage == "markov":
         cfg.init_drafter = args.init_drafter
     else:
