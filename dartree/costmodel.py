@@ -29,7 +29,7 @@ from .errors import DartreeError
 from .hardware import describe_machine
 
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
-COST_MODEL_VERSION = 3  # bumped whenever what is timed changes, so older caches are measured again (3: bf16 attention in fp32 on CPU)
+COST_MODEL_VERSION = 4  # bumped whenever what is timed changes, so older caches are measured again (3: bf16 attention in fp32 on CPU; 4: column-major fp32 weights)
 LIKELY_PATH_ROWS = 6  # output-layer rows timed per verification (verify.walk computes the likely path first)
 
 

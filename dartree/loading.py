@@ -111,7 +111,24 @@ def load_target(directory: str | Path, dtype: torch.dtype, device) -> torch.nn.M
         if "safetensor" in type(exc).__name__.lower() or "header" in str(exc).lower():
             raise CheckpointError(f"target weights in {directory} are corrupt or truncated: {exc}") from None
         raise
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    if model.device.type == "cpu" and dtype in (torch.float32, torch.float64):
+        column_major_linear_weights(model)
+    return model
+
+
+def column_major_linear_weights(model: torch.nn.Module) -> None:
+    """Store every ``nn.Linear`` weight [out, in] column-major: same values and shape, but its
+    transpose is contiguous, so ``F.linear`` hands MKL the 'N' layout, whose one- and two-row
+    products stream the weights faster. Measured on an AMD EPYC (one thread, fp32, one [1536, 576]
+    matrix streamed from memory): 305 -> 190 us for one row, 447 -> 258 us for two, equal at 16; the
+    whole SmolLM2-135M forward: 60.4 -> 51.3 ms for one row (a decoding step), 102.7 -> 67.4 ms for two,
+    128 -> 114 ms for 16. For fp32/fp64 CPU models only: in bf16 the products run in oneDNN, where the
+    row-major layout measured faster (51 vs 56 ms a step). A tied output layer gets its own copy, as
+    the embedding lookup wants rows."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and not module.weight.t().is_contiguous():
+            module.weight = torch.nn.Parameter(module.weight.detach().t().contiguous().t(), requires_grad=module.weight.requires_grad)
 
 
 def load_tokenizer(directory: str | Path):

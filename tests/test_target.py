@@ -165,6 +165,7 @@ def test_loaded_targets_run_bf16_attention_in_float32_on_cpu(family, model_dirs,
     fp32 = loading.load_target(path, torch.float32, "cpu")
     assert fp32.config._attn_implementation == loading.ATTENTION
     plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    loading.column_major_linear_weights(plain)  # the same weight layout, so only the attention differs
     with torch.no_grad():
         want = plain(ids).logits
         assert torch.equal(fp32(ids).logits, want)
@@ -175,3 +176,30 @@ def test_loaded_targets_run_bf16_attention_in_float32_on_cpu(family, model_dirs,
         got = bf16(ids).logits
     assert got.dtype == torch.bfloat16 and seen and set(seen) == {torch.float32}
     torch.testing.assert_close(got.float(), want, rtol=0, atol=0.1 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cpu_float_targets_store_linear_weights_column_major(family, model_dirs):
+    """fp32/fp64 CPU targets keep every Linear weight's values and shape but store it column-major
+    (its transpose contiguous: MKL's faster one- and two-row products); a tied output layer gets its
+    own copy, the embedding keeps rows; outputs match the model as Hugging Face loads it; bf16 models
+    keep the row-major layout (oneDNN is faster with it)."""
+    import dartree.loading as loading
+
+    path = model_dirs[(family, "target")]
+    ids = torch.tensor([[3, 1, 4, 1, 5, 7, 2, 6]])
+    for dtype in (torch.float32, torch.float64):
+        plain = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = loading.load_target(path, dtype, "cpu")
+        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        assert linears and all(m.weight.t().is_contiguous() and not m.weight.is_contiguous() for m in linears)
+        assert model.get_input_embeddings().weight.is_contiguous()
+        assert model.get_output_embeddings().weight.data_ptr() != model.get_input_embeddings().weight.data_ptr()
+        for (name, want), (_, got) in zip(plain.state_dict().items(), model.state_dict().items()):
+            assert torch.equal(want, got), name
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, plain(ids).logits)
+            step = [model(ids[:, : k + 1]).logits[0, -1] for k in range(ids.shape[1])]  # one-row products too
+        torch.testing.assert_close(torch.stack(step), plain(ids).logits[0])
+    bf16 = loading.load_target(path, torch.bfloat16, "cpu")
+    assert all(m.weight.is_contiguous() for m in bf16.modules() if isinstance(m, torch.nn.Linear))
