@@ -41,7 +41,7 @@ case "${1:-}" in
     # DRAFTER=dir replays another drafter than the shipped one (e.g. a training checkpoint); METHODS narrows the grid.
     R=$OUT/${TAG:-drafter}; mkdir -p $R/gsm8k-humaneval-replay $R/seven-replay
     for d in $R/gsm8k-humaneval-replay $R/seven-replay; do
-      [ -f $d/greedy.jsonl ] || cat $OUT/drafter-v2/gsm8k-humaneval-replay/greedy.jsonl $OUT/seven-benchmarks/replay/greedy.jsonl \
+      [ -f $d/greedy.jsonl ] || cat docs/results/drafter-v2/gsm8k-humaneval-replay/greedy.jsonl docs/results/seven-benchmarks/replay/greedy.jsonl \
           > $d/greedy.jsonl 2>/dev/null || true
     done
     if [ "${SHARD:-1/2}" = 1/2 ]; then
