@@ -14,8 +14,12 @@ DATA=${DATA:-data/smollm2-selfdistill}
 # A new session has no runs/ folder: --resume-from continues the shipped weights at the step in their
 # training.json (the optimiser's moments start afresh). Session 5 ran steps 1-2808 of a 6000-step
 # schedule on 9 shards; session 6 continued it to step 6665 of a 7600-step schedule on 25 shards (the cosine is
-# recomputed for the new length; bf16 autocast and the feature cache make a step ~2x cheaper).
-.venv/bin/dartree train drafter --data "$DATA" --out runs/drafter-v2 --steps "${DRAFTER_STEPS:-7600}" \
+# recomputed for the new length; bf16 autocast and the feature cache make a step ~2x cheaper); session 7 ran
+# 6665-6800 (7600 schedule), 6800-8000 (9800 schedule, beside a 2-layer trial: --layers 2 grows the resumed
+# drafter) and 8000-11400 (11400 schedule) while `dartree train data` wrote shards 27-39 on the other core
+# (training rescans --data every 200 steps). To continue, raise DRAFTER_STEPS: the cosine is recomputed for the
+# new length, so the learning rate rises again from the resumed step.
+.venv/bin/dartree train drafter --data "$DATA" --out runs/drafter-v2 --steps "${DRAFTER_STEPS:-11400}" \
     --draft-vocab 8192 --anchors 64 --seqs-per-step 1 --eval-every 200 \
     --resume-from dartree/assets/smollm2-drafter-domino \
     --max-minutes "${DRAFTER_MINUTES:-95}" --export dartree/assets/smollm2-drafter-domino
