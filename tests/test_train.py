@@ -241,6 +241,8 @@ def test_growing_a_resumed_drafter_keeps_its_outputs_then_trains_the_new_layer(t
     assert any("o_proj" in k for k in moved) and any("q_proj" in k for k in moved)
     again = dartree.loading.load_drafter(tmp_path / "two" / "checkpoint")
     assert again.config.num_hidden_layers == 2 and len(again.layers) == 2
+    with pytest.raises(dartree.errors.DartreeError, match="holds a 2-layer drafter; to grow it to 3 layers"):
+        Trainer(target, TrainConfig(out=str(tmp_path / "two"), steps=40, layers=3, **base), "drafter")
     with pytest.raises(dartree.errors.DartreeError, match="fewer than the 2 layers"):
         Trainer(target, TrainConfig(out=str(tmp_path / "three"), steps=31, layers=1,
                                     resume_from=str(tmp_path / "two" / "checkpoint"), **base), "drafter")

@@ -136,11 +136,7 @@ def new_drafter(target, cfg: TrainConfig, head: str | None, vocab: torch.Tensor 
     model.mask_embedding = torch.nn.Parameter(target.get_input_embeddings().weight.mean(0).detach().clone())
     gen = torch.Generator().manual_seed(cfg.seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name not in ("mask_embedding", "lm_head.weight"):
-                p.copy_(torch.randn(p.shape, generator=gen) * (1.0 / math.sqrt(p.shape[-1])))
+        random_init_(model, gen, keep=("mask_embedding", "lm_head.weight"))
         if head == "domino":
             model.head.embed_proj[2].weight.zero_()  # the correction starts as a no-op on the base logits
         if head == "markov":
@@ -157,6 +153,21 @@ def new_drafter(target, cfg: TrainConfig, head: str | None, vocab: torch.Tensor 
     return model
 
 
+@torch.no_grad()
+def random_init_(module: torch.nn.Module, gen: torch.Generator, keep=(), zero=()) -> None:
+    """Norm weights to 1, parameters named in ``zero`` (by suffix) to 0, those in ``keep`` untouched,
+    every other one N(0, 1 / fan_in)."""
+    for name, p in module.named_parameters():
+        if name in keep:
+            continue
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif zero and name.endswith(zero):
+            p.zero_()
+        else:
+            p.copy_(torch.randn(p.shape, generator=gen) * (1.0 / math.sqrt(p.shape[-1])))
+
+
 def grow_layers(model: DrafterModel, layers: int, seed: int = 0) -> None:
     """Append randomly initialised layers whose output projections (attention ``o_proj``, MLP
     ``down_proj``) start at zero: each new layer adds nothing to the residual stream, so the grown
@@ -171,14 +182,7 @@ def grow_layers(model: DrafterModel, layers: int, seed: int = 0) -> None:
     ref = model.fc.weight
     for _ in range(layers - have):
         layer = DrafterLayer(model.config).to(device=ref.device, dtype=ref.dtype)
-        with torch.no_grad():
-            for name, p in layer.named_parameters():
-                if name.endswith("norm.weight"):
-                    p.fill_(1.0)
-                elif name.endswith(("o_proj.weight", "down_proj.weight")):
-                    p.zero_()
-                else:
-                    p.copy_(torch.randn(p.shape, generator=gen) * (1.0 / math.sqrt(p.shape[-1])))
+        random_init_(layer, gen, zero=("o_proj.weight", "down_proj.weight"))
         model.layers.append(layer)
 
 
@@ -270,6 +274,10 @@ class Trainer:
         ckpt = self.out / "checkpoint"
         if (ckpt / "config.json").is_file():
             self.model = load_drafter(ckpt)
+            have = self.model.config.num_hidden_layers
+            if cfg.layers and cfg.layers != have:
+                raise DartreeError(f"{ckpt} holds a {have}-layer drafter; to grow it to {cfg.layers} layers, pass "
+                                   f"--resume-from {ckpt} with a new --out")
             state = torch.load(self.out / "trainer.pt", weights_only=False, map_location="cpu")
             self.step = state["step"]
             self.rng.setstate(state["rng"])
@@ -315,7 +323,8 @@ class Trainer:
     def add_new_shards(self) -> int:
         """Append the sequences of shards written since the data was loaded (a data job running
         beside training); earlier sequences keep their indices, so the feature cache stays valid."""
-        new = [f for f in shard_files(self.cfg.data) if f not in set(self._shards)]
+        known = set(self._shards)
+        new = [f for f in shard_files(self.cfg.data) if f not in known]
         added = load_shards(new)
         self._shards += new
         self.train_seqs += added
@@ -536,6 +545,8 @@ def _run_train(args) -> int:
     from ..loading import load_target, resolve_device
 
     torch.manual_seed(0)
+    if args.layers is not None and args.layers < 1:
+        raise DartreeError(f"--layers must be at least 1, got {args.layers}")
     set_threads(args.threads)
     device = resolve_device(args.device)
     from ..hardware import inexact_work_dtype
