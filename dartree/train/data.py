@@ -162,6 +162,11 @@ def load_shard(path: Path) -> list[Sequence]:
     return [Sequence(t["tokens"][a:b].long(), int(n)) for a, b, n in zip(offsets, offsets[1:], t["prompt_lens"].tolist())]
 
 
+def shard_path(data_dir: str | Path, k: int) -> Path:
+    """Where shard ``k`` lives (``shard_files`` lists the ones present)."""
+    return Path(data_dir) / f"shard-{k:05d}.safetensors"
+
+
 def shard_files(data_dir: str | Path) -> list[Path]:
     """The complete shards in ``data_dir``, in shard order (a shard being written is not listed)."""
     files = sorted(Path(data_dir).glob("shard-*.safetensors"))
@@ -197,14 +202,14 @@ def generate_data(model, tokenizer, prompts_dir, out_dir, num_prompts: int | Non
     if not 0 <= start_shard < len(shards):
         raise DartreeError(f"--start-shard must be between 0 and {len(shards) - 1} (this prompt set makes {len(shards)} shards), got {start_shard}")
     order = list(range(start_shard, len(shards))) + list(range(start_shard))
-    todo = [k for k in order if not (out_dir / f"shard-{k:05d}.safetensors").exists()]
+    todo = [k for k in order if not shard_path(out_dir, k).exists()]
     bar = tqdm(todo, desc=f"generating responses ({len(shards) - len(todo)} of {len(shards)} shards present)", unit="shard")
     new_total = 0
     for k in bar:
         if max_minutes is not None and time.perf_counter() - t0 > 60 * max_minutes:
             bar.write(f"stopping after {max_minutes} minutes; run again to resume at shard {k}")
             break
-        if (out_dir / f"shard-{k:05d}.safetensors").exists():  # written by another process meanwhile
+        if shard_path(out_dir, k).exists():  # written by another process meanwhile
             continue
         temperature = 1.0 if random.Random(seed * 100_003 + k).random() < sample_fraction else 0.0
         gen = torch.Generator().manual_seed(seed * 1_000_003 + k)
@@ -213,7 +218,7 @@ def generate_data(model, tokenizer, prompts_dir, out_dir, num_prompts: int | Non
         seqs = generate_batch(model, batch, max_new_tokens, temperature, stop, tokenizer.eos_token_id, gen)
         new = sum(s.tokens.numel() - s.prompt_len for s in seqs)
         new_total += new
-        save_shard(out_dir / f"shard-{k:05d}.safetensors", seqs,
+        save_shard(shard_path(out_dir, k), seqs,
                    {"temperature": temperature, "shard": k, "dtype": dtype, "max_new_tokens": max_new_tokens,
                     "seconds": round(time.perf_counter() - ts, 1), "new_tokens": new})
         bar.set_postfix(tok_s=f"{new / (time.perf_counter() - ts):.0f}", T=temperature,
