@@ -179,6 +179,31 @@ def test_loaded_targets_run_bf16_attention_in_float32_on_cpu(family, model_dirs,
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_cpu_cache_keeps_kv_in_float32_with_the_same_outputs(family, model_dirs):
+    """A bf16 CPU target's attention runs in fp32, so its KV cache stores fp32 (no cast of the whole
+    cache at each step); bf16 -> fp32 is exact, so prefill and steps give bit-identical logits to a
+    bf16 cache. A model with plain SDPA keeps K/V in its own dtype (its attention wants them so)."""
+    import dartree.loading as loading
+    from dartree.target import growing_cache
+
+    path = model_dirs[(family, "target")]
+    model = loading.load_target(path, torch.bfloat16, "cpu")
+    assert loading.kv_cache_dtype(model) == torch.float32
+    assert loading.kv_cache_dtype(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa")) == torch.bfloat16
+    assert loading.kv_cache_dtype(loading.load_target(path, torch.float32, "cpu")) == torch.float32
+    ids = torch.tensor([[3, 1, 4, 1, 5, 7, 2, 6]])
+    outs = {}
+    for store in (torch.float32, torch.bfloat16):
+        cache = growing_cache(model.config, store)
+        with torch.no_grad():
+            logits = [model(ids[:, :5], cache=cache, use_cache=True).logits[0, -1]]
+            logits += [model(ids[:, k:k + 1], cache=cache, use_cache=True).logits[0, -1] for k in range(5, 8)]
+        assert cache.layers[0].keys.dtype == store and cache.get_seq_length() == 8
+        outs[store] = torch.stack(logits)
+    assert torch.equal(outs[torch.float32], outs[torch.bfloat16])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_cpu_float_targets_store_linear_weights_column_major(family, model_dirs):
     """fp32/fp64 CPU targets keep every Linear weight's values and shape but store it column-major
     (its transpose contiguous: MKL's faster one- and two-row products); a tied output layer gets its

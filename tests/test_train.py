@@ -40,6 +40,31 @@ def test_batched_generation_matches_unbatched_greedy(tiny_data):
         assert s.tokens[s.prompt_len:].tolist() == hf_greedy(target, prompt, 24)
 
 
+def test_length_grouped_prefill_and_dropping_ended_rows_keep_greedy_exact(tiny_data):
+    """21 prompts of 1-12 tokens: prefilled 8 at a time, each group padded to its own longest, then
+    stacked into one left-padded cache; rows that hit the stop token leave the batch mid-way. The
+    logits and every response equal the prompt run alone."""
+    from dartree.train.data import prefill_left_padded
+
+    target_dir, target, data = tiny_data
+    rng = random.Random(1)
+    prompts = [[rng.randrange(16) for _ in range(rng.randint(1, 12))] for _ in range(21)]
+    with torch.no_grad():
+        logits, cache, attn = prefill_left_padded(target, prompts, pad_id=0, group=8)
+        alone = torch.stack([target(torch.tensor([p])).logits[0, -1] for p in prompts])
+    torch.testing.assert_close(logits, alone)
+    assert attn.shape == (21, 12) and attn.sum(-1).tolist() == [len(p) for p in prompts]
+    assert cache.get_seq_length() == 12
+    stop = 5
+    seqs = generate_batch(target, prompts, 20, 0.0, {stop}, 0, torch.Generator())
+    lengths = []
+    for p, s in zip(prompts, seqs):
+        want = hf_greedy(target, p, 20, eos=stop)
+        assert s.tokens.tolist() == p + want and s.prompt_len == len(p)
+        lengths.append(len(want))
+    assert sum(n < 20 for n in lengths) >= 3 and max(lengths) == 20  # rows ended at different steps
+
+
 def test_shards_hold_token_ids_only_and_features_are_recomputed(tiny_data):
     from safetensors.torch import load_file
 

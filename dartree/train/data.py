@@ -104,23 +104,71 @@ def target_features(model, tapped: list[int], tokens: torch.Tensor) -> tuple[tor
 
 
 @torch.no_grad()
-def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, temperature: float,
-                   stop_ids: set[int], pad_id: int, generator: torch.Generator) -> list[Sequence]:
-    from transformers import StaticCache
+def prefill_left_padded(model, prompts: list[list[int]], pad_id: int, group: int = 8):
+    """Prefill ``prompts`` as one left-padded batch: the last-position logits [n, V], the cache
+    (a ``target.growing_cache`` in the attention's dtype) and the attention mask [n, width].
 
-    device, cpu = next(model.parameters()).device, torch.device("cpu")
+    Prompts of one batch differ in length (36 to 282 tokens, mean 106, in a measured GSM8K/Alpaca
+    batch), and a left-padded forward computes the padding too, so rows are prefilled ``group`` at a
+    time in length order, each group padded only to its own longest prompt, and their K/V are
+    stacked right-aligned into one cache (padding slots are masked, so what they hold is unused)."""
+    from ..target import GrowingLayer, growing_cache
+    from ..loading import kv_cache_dtype
+
+    device, store = next(model.parameters()).device, kv_cache_dtype(model)
     n, width = len(prompts), max(len(p) for p in prompts)
-    ids = torch.full((n, width), pad_id, dtype=torch.long, device=device)
     attn = torch.zeros((n, width), dtype=torch.long, device=device)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p, device=device)
         attn[i, width - len(p):] = 1
+    cache = growing_cache(model.config, store)
+    if not all(isinstance(layer, GrowingLayer) for layer in cache.layers):
+        group = n  # a sliding-window or other layer type: one forward over the whole batch
+    # one group is prefilled straight into ``cache``, whose rows must then be in prompt order
+    order = sorted(range(n), key=lambda i: len(prompts[i])) if group < n else list(range(n))
+    logits, keys, values = None, [None] * len(cache.layers), [None] * len(cache.layers)
+    for start in range(0, n, group):
+        rows = order[start:start + group]
+        w = max(len(prompts[i]) for i in rows)
+        ids = torch.full((len(rows), w), pad_id, dtype=torch.long, device=device)
+        for r, i in enumerate(rows):
+            ids[r, w - len(prompts[i]):] = torch.tensor(prompts[i], device=device)
+        part_attn = attn[rows, width - w:]
+        part = cache if group >= n else growing_cache(model.config, store)
+        out = model(input_ids=ids, attention_mask=part_attn, position_ids=(part_attn.cumsum(-1) - 1).clamp(min=0),
+                    cache=part, use_cache=True, logits_to_keep=1).logits[:, -1]
+        if logits is None:
+            logits = out.new_empty((n, out.shape[-1]))
+        logits[rows] = out
+        if part is cache:
+            return logits, cache, attn
+        index = torch.tensor(rows, device=device)
+        for l, layer in enumerate(part.layers):
+            if keys[l] is None:
+                keys[l] = layer.keys.new_zeros((n, *layer.keys.shape[1:-2], width, layer.keys.shape[-1]))
+                values[l] = layer.values.new_zeros((n, *layer.values.shape[1:-2], width, layer.values.shape[-1]))
+            keys[l][index, ..., width - w:, :] = layer.keys
+            values[l][index, ..., width - w:, :] = layer.values
+    for layer, k, v in zip(cache.layers, keys, values):
+        layer.update(k, v)
+    return logits, cache, attn
+
+
+@torch.no_grad()
+def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, temperature: float,
+                   stop_ids: set[int], pad_id: int, generator: torch.Generator) -> list[Sequence]:
+    """Responses to ``prompts`` (one left-padded batch), greedy or sampled at ``temperature``.
+
+    The prompts are prefilled in length groups (``prefill_left_padded``); the K/V cache holds only
+    the filled positions, in the attention's dtype (no per-step cast of a bf16 cache on the CPU);
+    rows whose response has ended leave the batch. Measured against a full-length static cache (64
+    prompts, 256 new tokens, SmolLM2-135M bf16, one thread on an AVX512_BF16 EPYC beside a training
+    job): 239.6 s -> 87.0 s for the batch, 52 -> 148 tokens/s."""
+    device = next(model.parameters()).device
+    logits, cache, attn = prefill_left_padded(model, prompts, pad_id)
+    n = len(prompts)
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    # Preallocated: a growing cache would copy every layer's K/V at every step.
-    cache = StaticCache(config=model.config, max_cache_len=width + max_new_tokens)
-    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
     responses = [[] for _ in range(n)]
-    done = torch.zeros(n, dtype=torch.bool, device=cpu)
+    live = list(range(n))  # the prompt index of each batch row (-1: its response has ended)
     for step in range(max_new_tokens):
         if temperature > 0:  # sampled on the CPU with a CPU generator: the same data on any device
             probs = (logits.float() / temperature).softmax(-1).cpu()
@@ -128,13 +176,22 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, tempera
         else:
             nxt = logits.argmax(-1)
         picked = nxt.tolist()
-        for i in torch.nonzero(~done).flatten().tolist():
-            responses[i].append(picked[i])
-            if picked[i] in stop_ids:
-                done[i] = True
-        if bool(done.all()) or step == max_new_tokens - 1:
+        for row, i in enumerate(live):
+            if i >= 0:
+                responses[i].append(picked[row])
+                if picked[row] in stop_ids:
+                    live[row] = -1
+        going = [row for row, i in enumerate(live) if i >= 0]
+        if not going or step == max_new_tokens - 1:
             break
-        attn = torch.cat([attn, torch.ones(n, 1, dtype=torch.long, device=device)], dim=1)
+        # Dropping rows copies the whole cache, so ended rows ride along until an eighth have ended.
+        if len(live) - len(going) >= max(1, len(live) // 8):
+            rows = torch.tensor(going, device=device)
+            for layer in cache.layers:
+                layer.select_rows(rows)
+            live = [live[row] for row in going]
+            nxt, attn, pos = nxt[rows], attn[rows], pos[rows]
+        attn = torch.cat([attn, torch.ones(len(live), 1, dtype=torch.long, device=device)], dim=1)
         pos = pos[:, -1:] + 1
         logits = model(input_ids=nxt[:, None], attention_mask=attn, position_ids=pos, cache=cache, use_cache=True).logits[:, -1]
     return [Sequence(torch.tensor(p + r, dtype=torch.int32), len(p)) for p, r in zip(prompts, responses)]
