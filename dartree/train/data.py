@@ -169,6 +169,7 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, tempera
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     responses = [[] for _ in range(n)]
     live = list(range(n))  # the prompt index of each batch row (-1: its response has ended)
+    can_drop = all(hasattr(layer, "select_rows") for layer in cache.layers)  # not a sliding-window layer
     for step in range(max_new_tokens):
         if temperature > 0:  # sampled on the CPU with a CPU generator: the same data on any device
             probs = (logits.float() / temperature).softmax(-1).cpu()
@@ -185,7 +186,7 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, tempera
         if not going or step == max_new_tokens - 1:
             break
         # Dropping rows copies the whole cache, so ended rows ride along until an eighth have ended.
-        if len(live) - len(going) >= max(1, len(live) // 8):
+        if can_drop and len(live) - len(going) >= max(1, len(live) // 8):
             rows = torch.tensor(going, device=device)
             for layer in cache.layers:
                 layer.select_rows(rows)
