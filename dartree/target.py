@@ -74,6 +74,12 @@ def growing_cache(config, storage_dtype: torch.dtype | None = None) -> DynamicCa
     return cache
 
 
+def all_growing(cache: DynamicCache) -> bool:
+    """Whether every layer of ``cache`` is a ``GrowingLayer`` (none is sliding-window or otherwise
+    special), so that its rows can be stacked and selected."""
+    return all(isinstance(layer, GrowingLayer) for layer in cache.layers)
+
+
 class TargetAdapter:
     def __init__(self, model: nn.Module, tapped_layers: list[int] | tuple[int, ...] = ()):
         self.model = model.eval()
