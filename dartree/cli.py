@@ -107,6 +107,12 @@ def _run_generate(args) -> int:
             f"verify {s.stage_ms['verify']:.0f} ms, commit {s.stage_ms['commit']:.0f} ms)",
             file=sys.stderr,
         )
+        plain = sum(1 for n in s.tree_sizes if n == 0)
+        if settings.tree.auto and settings.method != "ar" and plain:
+            # Otherwise a mean acceptance near 1 reads as a broken drafter.
+            print(f"[budget auto] {plain} of {s.rounds} rounds verified no draft: on this machine's cost model "
+                  "(`dartree calibrate`) speculating there was expected to be slower than a plain step; "
+                  "--budget 16 forces a tree every round", file=sys.stderr)
     return 0
 
 

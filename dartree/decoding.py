@@ -113,6 +113,8 @@ def decode(
         on_tokens(truncate(output, max_new_tokens, stop_ids))
     if proposer is not None:
         proposer.reset()
+    if budget is not None:
+        budget.start_request()
     start = prompt_ids.numel()  # position of the bonus token, not yet in the target cache
     timer.lap("prefill")
     decode_start = time.perf_counter()

@@ -51,3 +51,11 @@ def hf_greedy(model, prompt, max_new_tokens, eos=None):
     ids = torch.tensor([prompt])
     out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
     return out[0, len(prompt):].tolist()
+
+
+def synthetic_cost(one_row_ms: float, per_row_ms: float, draft_ms: float = 0.0, tree_ms: float = 0.0):
+    """A cost model with t_verify(n) = one_row + per_row * (n - 1)."""
+    from dartree.costmodel import CostModel
+
+    return CostModel({"machine": "synthetic"}, 256, {n: one_row_ms + per_row_ms * (n - 1) for n in (1, 2, 4, 8, 16, 32, 64, 128)},
+                     draft_ms, tree_ms)

@@ -151,6 +151,43 @@ def test_two_concurrent_shards_write_the_same_records_as_one_run(tiny_dirs, tmp_
     assert len(read_records(tmp_path / "sharded" / "records.jsonl")) == len(whole)
 
 
+def test_replay_with_a_cost_model_reports_modeled_speedups(tiny_dirs, tmp_path, capsys):
+    """`--replay --budgets auto,4 --cost-model FILE`: budget 'auto' runs its policy on the replayed trees,
+    every configuration gets a modeled speedup over ar, labelled as a prediction."""
+    from conftest import synthetic_cost
+
+    target, drafter = tiny_dirs
+    cost_file = tmp_path / "cost.json"
+    cost = synthetic_cost(10.0, 0.2, draft_ms=1.0, tree_ms=0.5)
+    cost.identity.update(dtype="bfloat16", threads=1)
+    cost_file.write_text(cost.to_json())
+    common = ["bench", "--target", str(target), "--drafter", str(drafter), "--dtype", "float64", "--datasets", "gsm8k",
+              "--limit", "2", "--methods", "dflash,dartree", "--max-new-tokens", "12", "--threads", "1", "--replay"]
+    out = tmp_path / "modeled"
+    assert main(common + ["--budgets", "auto,4", "--cost-model", str(cost_file), "--out", str(out)]) == 0
+    records = read_records(out / "records.jsonl")
+    assert {r["key"] for r in records} == {"dflash|T=0|float64", "dartree|T=0|B=4|W=12|K=64|beta=-0.2|float64",
+                                           "dartree|T=0|B=auto|W=12|K=64|beta=-0.2|float64"}
+    for r in records:
+        assert r["modeled_step_ms"] == 10.0 and r["cost_model"]["dtype"] == "bfloat16"
+        for t in r["turns"]:  # at least a plain step's time per committed token's round, at most every round drafted at B=64
+            assert 10.0 * len(t["acceptance_lengths"]) <= t["modeled_ms"] <= cost.round_ms(64) * len(t["acceptance_lengths"])
+    summaries = {s.key: s for s in summarise(records)}
+    fixed = summaries["dartree|T=0|B=4|W=12|K=64|beta=-0.2|float64"]
+    new = sum(t["new_tokens"] for r in records if r["key"] == fixed.key for t in r["turns"])
+    ms = sum(t["modeled_ms"] for r in records if r["key"] == fixed.key for t in r["turns"])
+    assert fixed.modeled_speedup == pytest.approx(new * 10.0 / ms)
+    text = (out / "report.md").read_text()
+    assert "modeled on the cost model (a prediction, not a measurement)" in text and "bfloat16, 1 thread(s)" in text
+    assert "B=auto" in text
+    # without a cost model, replay stays tau-only; a cost model without replay is refused
+    assert main(common + ["--budgets", "4", "--out", str(tmp_path / "plain")]) == 0
+    assert all("modeled_ms" not in t for r in read_records(tmp_path / "plain" / "records.jsonl") for t in r["turns"])
+    assert main(common[:-1] + ["--cost-model", str(cost_file)]) == 2
+    assert "--cost-model" in capsys.readouterr().err
+    assert main(common + ["--cost-model", str(tmp_path / "nope.json"), "--out", str(tmp_path / "x")]) == 2
+
+
 @pytest.mark.parametrize("bad", ["0/2", "3/2", "1", "a/b"])
 def test_shard_is_validated(bad, capsys):
     assert main(["bench", "--shard", bad]) == 2

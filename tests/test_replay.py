@@ -5,9 +5,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import FAMILIES, HEADS, VOCAB
+from conftest import FAMILIES, HEADS, VOCAB, synthetic_cost
 from dartree.errors import DartreeError
 from dartree.bench.replay import replay
+from dartree.budget import AdaptiveBudget
 from dartree.trees import TreeSettings, make_builder
 
 
@@ -52,3 +53,69 @@ def test_replay_rejects_ar(pipelines):
     pipe = pipelines[("llama", "domino")]
     with pytest.raises(DartreeError, match="drafter methods"):
         replay(pipe, torch.tensor([1, 2]), {"ar": make_builder("ar")}, 8, set())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=7), max_new=st.integers(1, 40),
+       per_row=st.sampled_from([0.05, 0.4, 3.0]))
+def test_replayed_auto_budget_makes_the_decoders_choices(pipelines, family, prompt, max_new, per_row):
+    """budget="auto" replayed: the same per-round choices (plain steps included) and acceptance lengths
+    as decoding with the same cost model, and the modeled time is what those rounds cost on it."""
+    pipe = pipelines[(family, "domino")]
+    cost = synthetic_cost(10.0, per_row, draft_ms=2.0, tree_ms=1.0)
+    pipe._cost_model, pipe._budgets = cost, {}  # a fresh policy on this cost model
+    got = pipe.generate(input_ids=prompt, method="dartree", max_new_tokens=max_new, budget="auto", width=3, top_k=8)
+    decoded = next(iter(pipe._budgets.values()))
+    policy, modeled = AdaptiveBudget(cost, max_depth=pipe.proposer.num_depths), {}
+    builder = make_builder("dartree", TreeSettings(budget="auto", width=3, top_k=8))
+    output, lengths = replay(pipe, pipe.encode(input_ids=prompt), {"auto": builder}, max_new, set(), cost=cost,
+                             policies={"auto": policy}, modeled=modeled)
+    assert output == got.token_ids
+    assert lengths["auto"] == got.stats.acceptance_lengths
+    assert policy.history == decoded.history
+    # Each history entry is a round: a plain step (-1, no draft) costs a one-row forward; a drafted round
+    # the drafter call, the tree build and a forward over the verified nodes + the root.
+    assert len(policy.history) == len(got.stats.tree_sizes)
+    expected = sum(cost.verify(1) if nodes < 0 else cost.round_ms(size)
+                   for nodes, size in zip(policy.history, got.stats.tree_sizes))
+    assert modeled["auto"] == pytest.approx(expected)
+
+
+def test_replayed_auto_budget_covers_both_regimes(pipelines):
+    """The equality above means little unless the policy both speculates and takes plain steps."""
+    pipe = pipelines[("llama", "domino")]
+    builder = make_builder("dartree", TreeSettings(budget="auto", width=3, top_k=8))
+    seen = set()
+    for per_row, draft_ms in ((0.05, 0.5), (40.0, 5.0)):
+        cost = synthetic_cost(10.0, per_row, draft_ms=draft_ms)
+        policy = AdaptiveBudget(cost, max_depth=pipe.proposer.num_depths)
+        for p in range(6):
+            replay(pipe, pipe.encode(input_ids=[p, (p + 1) % VOCAB]), {"a": builder}, 30, set(), cost=cost, policies={"a": policy})
+        seen |= {min(max(h, 0), 1) for h in policy.history}
+        if per_row == 0.05:
+            assert max(policy.history) > 1  # a cheap verify takes large prefixes
+        else:
+            assert sum(h <= 0 for h in policy.history) > len(policy.history) / 2  # an expensive one mostly plain steps
+    assert seen == {0, 1}
+
+
+def test_replayed_fixed_budget_models_each_round(pipelines):
+    pipe = pipelines[("qwen3", "markov")]
+    cost = synthetic_cost(7.0, 1.5, draft_ms=2.0, tree_ms=0.5)
+    for prompt in ([1, 2, 3], [5], [7, 4, 4, 6]):
+        got = pipe.generate(input_ids=prompt, method="dartree", max_new_tokens=25, budget=8, width=3, top_k=8)
+        modeled = {}
+        replay(pipe, pipe.encode(input_ids=prompt), {"d": make_builder("dartree", TreeSettings(budget=8, width=3, top_k=8))},
+               25, set(), cost=cost, modeled=modeled)
+        assert modeled["d"] == pytest.approx(sum(cost.round_ms(n) for n in got.stats.tree_sizes))
+
+
+def test_replay_policies_need_a_cost_model_and_ranked_trees(pipelines):
+    pipe = pipelines[("llama", "domino")]
+    ids = torch.tensor([1, 2])
+    policy = AdaptiveBudget(synthetic_cost(10.0, 1.0))
+    with pytest.raises(DartreeError, match="needs a cost model"):
+        replay(pipe, ids, {"a": make_builder("dartree", TreeSettings(budget="auto"))}, 8, set(), policies={"a": policy})
+    with pytest.raises(DartreeError, match="ranked"):
+        replay(pipe, ids, {"a": make_builder("dflash")}, 8, set(), cost=policy.cost, policies={"a": policy})

@@ -86,14 +86,21 @@ def add_bench_parser(sub) -> None:
         "--replay",
         action="store_true",
         help="T=0 tau only, by exact replay: one greedy run per prompt, then every method's rounds on the drafter and "
-        "tree builder without target forwards (many times cheaper; no speedups)",
+        "tree builder without target forwards (many times cheaper; no measured speedups; budget 'auto' and "
+        "--cost-model give speedups modeled on a cost model)",
+    )
+    p.add_argument(
+        "--cost-model",
+        metavar="JSON",
+        help="with --replay: model each round's time on this cost model (`dartree calibrate --json > FILE`, from any "
+        "machine or dtype) and report the modeled speedup over ar; budget 'auto' without it uses this machine's",
     )
     p.add_argument("--out", default="runs/bench", help="output folder (default runs/bench)")
     p.add_argument("--datasets", default="gsm8k,humaneval", help=f"comma list from {','.join(DATASETS)} or 'all'")
     p.add_argument("--methods", default=DEFAULT_METHODS, help="comma list of methods and peers (hf-generate, hf-prompt-lookup)")
     p.add_argument("--temperatures", default="0", help="comma list, e.g. 0,1 (default 0)")
     p.add_argument("--budgets", default="16,32,64",
-                   help="tree budgets for the tree methods, integers or 'auto' (chosen per round; decoded runs only) (default 16,32,64)")
+                   help="tree budgets for the tree methods, integers or 'auto' (chosen per round from the cost model) (default 16,32,64)")
     p.add_argument("--widths", default=str(TreeSettings.width), help="dartree widths W, e.g. 1,2,4,8,12,16 for the ablation")
     p.add_argument("--betas", default=str(TreeSettings.beta), help="depth bonuses for dartree/heap, each <= 0")
     p.add_argument("--top-k", type=int, default=TreeSettings.top_k, help=f"candidate tokens per depth K (default {TreeSettings.top_k})")
@@ -188,8 +195,8 @@ def run_bench(args) -> int:
             c.settings(args.max_new_tokens, args.seed).validate()
     shard_index, shard_count = parse_shard(args.shard)
     set_threads(args.threads)
-    if args.replay and "auto" in budgets:
-        raise DartreeError("--replay replays fixed budgets; budget 'auto' decides from measured times, so decode it (drop --replay)")
+    if args.cost_model and not args.replay:
+        raise DartreeError("--cost-model models the time of replayed rounds; add --replay (decoded runs measure time)")
     if args.replay and temps != [0.0]:
         raise DartreeError("--replay measures temperature 0 only; drop --temperatures")
     if args.replay and len(dtypes) > 1:
@@ -209,7 +216,21 @@ def run_bench(args) -> int:
     (out / "settings.json").write_text(json.dumps({k: v for k, v in vars(args).items() if k not in ("func", "shard")}, indent=2))
     print(f"{len(samples)} prompts x {len(grid)} configurations -> {out / 'records.jsonl'}", file=sys.stderr)
     if args.replay:
-        run_replay(pipe, samples, grid, out / "records.jsonl", args.max_new_tokens)
+        cost = None
+        if args.cost_model:
+            from ..costmodel import CostModel
+
+            try:
+                cost = CostModel.from_json(Path(args.cost_model).read_text())
+            except (OSError, ValueError, TypeError, KeyError) as exc:
+                raise DartreeError(f"--cost-model {args.cost_model}: not a cost model written by `dartree calibrate --json` ({exc})") from None
+        elif "auto" in budgets:
+            cost = pipe.cost_model()  # this machine's, measured once and cached
+        if cost is not None:
+            ident = cost.identity
+            print(f"modeled time: cost model of {ident.get('dtype')}, {ident.get('threads')} thread(s) on "
+                  f"{ident.get('machine', '?')}; one-row step {cost.verify(1):.1f} ms", file=sys.stderr)
+        run_replay(pipe, samples, grid, out / "records.jsonl", args.max_new_tokens, cost)
     else:
         run(pipes, samples, grid, out / "records.jsonl", args.max_new_tokens, args.seed)
     print(f"wrote {build_report(out)}")

@@ -14,6 +14,12 @@ choices is walking it with y. Replay therefore needs no target forward per round
 This measures tau for many methods and budgets at a fraction of the cost of decoding each one
 (the tests check it equals the decoder's per-round acceptance lengths); wall-clock speedups still
 come from real decoding (``dartree bench``).
+
+With a cost model (``dartree calibrate``), replay also adds up what each round would cost on that
+machine (drafter call + tree build + a target forward over the tree's rows; a plain step is a
+one-row forward) and runs ``budget="auto"``: its policy (``dartree.budget``) sees the same trees and
+acceptances as in decoding, so its choices, and the modeled speedup over ``ar``, come without a
+single timed decode. The modeled speedup is a prediction from the cost model, not a measurement.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..budget import AdaptiveBudget
+from ..costmodel import CostModel
 from ..decoding import decode, truncate
 from ..errors import require
 from ..trees import TreeBuilder, make_builder
@@ -36,6 +44,16 @@ class _Progress:
     done: bool = False
     acceptance_lengths: list[int] = field(default_factory=list)
     tree_seconds: float = 0.0
+    policy: AdaptiveBudget | None = None  # budget "auto": cuts each ranked tree, or takes plain steps
+    modeled_ms: float = 0.0  # the rounds' cost on the cost model
+
+    def advance(self, y: list[int], i: int, length: int, stop_ids: set[int], max_new_tokens: int) -> None:
+        """Commit a round that started at y[i] and accepted ``length`` rows (bonus included)."""
+        new_tokens = y[i + 1 : i + length + 1]
+        self.acceptance_lengths.append(length)
+        self.next_index = i + length
+        # The decoder's stop rules: a stop token in the round's tokens, or enough tokens.
+        self.done = bool(stop_ids.intersection(new_tokens)) or self.next_index + 1 >= max_new_tokens
 
 
 @torch.no_grad()
@@ -71,6 +89,9 @@ def replay(
     stop_ids: set[int],
     greedy: list[int] | None = None,
     timings: dict[str, float] | None = None,
+    cost: CostModel | None = None,
+    policies: dict[str, AdaptiveBudget] | None = None,
+    modeled: dict[str, float] | None = None,
 ) -> tuple[list[int], dict[str, list[int]]]:
     """Per-round acceptance lengths (bonus included) that each builder would get at T = 0.
 
@@ -79,8 +100,17 @@ def replay(
     output the decoder would write and the acceptance lengths by builder name; ``timings``, when
     given, receives each builder's total tree-build seconds (the rounds see the same drafts, so
     builders compare side by side).
+
+    ``cost`` (optional) models each round's time; ``modeled``, when given, receives each builder's
+    total modeled milliseconds. ``policies`` (optional, needs ``cost``'s times inside them) maps
+    builder names to budget policies that cut their ranked trees every round, as ``budget="auto"``
+    does in decoding; a policy starts a new request here and keeps its calibration across calls.
     """
     require(pipe.proposer is not None, "replay needs a drafter")
+    policies = policies or {}
+    require(all(name in builders and builders[name].ranked for name in policies),
+            "budget policies cut ranked trees: give them only for ranked builders (dartree, ddtree, heap, ...)")
+    require(cost is not None or not policies, "a budget policy needs a cost model")
     require(all(b.uses_drafter for b in builders.values()), "replay is for drafter methods; ar has tau = 1")
     depths = pipe.proposer.num_depths
     greedy = enough_greedy(pipe, prompt_ids, max_new_tokens, stop_ids, greedy)
@@ -94,31 +124,44 @@ def replay(
     _, features = target.prefill(full)
     choices = torch.tensor(y[1:] + [y[-1]], device=prompt_ids.device)  # the target's choice after y[i]
 
-    runs = {name: _Progress(builder) for name, builder in builders.items()}
+    runs = {name: _Progress(builder, policy=policies.get(name)) for name, builder in builders.items()}
     for run in runs.values():
         run.done = y[0] in stop_ids or max_new_tokens <= 1
+        if run.policy is not None:
+            run.policy.start_request()
     pipe.proposer.reset()
     cached = 0
     for i in range(len(output)):
         waiting = [r for r in runs.values() if not r.done and r.next_index == i]
         if not any(not r.done for r in runs.values()):
             break
-        if not waiting:
+        drafting = []
+        for run in waiting:
+            if run.policy is None or run.policy.speculate():
+                drafting.append(run)
+            else:  # a plain target step: the bonus token alone
+                run.modeled_ms += cost.verify(1)
+                run.advance(y, i, 1, stop_ids, max_new_tokens)
+        if not drafting:
             continue
         start = prompt_len + i
         draft = pipe.proposer.draft(y[i], features[cached:start], start)
         cached = start
-        for run in waiting:
+        for run in drafting:
             started = time.perf_counter()
             tree = run.builder.propose(draft, pipe.head)
+            if run.policy is not None:
+                tree = run.policy.cut(tree)
             run.tree_seconds += time.perf_counter() - started
             _, row_depths = tree.rows(y[i])
             accepted, _ = follow_tree(tree, choices[i + row_depths])  # the target's choice at row r is y[i + depth(r) + 1]
-            new_tokens = y[i + 1 : i + len(accepted) + 1]
-            run.acceptance_lengths.append(len(accepted))
-            run.next_index = i + len(accepted)
-            # The decoder's stop rules: a stop token in the round's tokens, or enough tokens.
-            run.done = bool(stop_ids.intersection(new_tokens)) or run.next_index + 1 >= max_new_tokens
+            if run.policy is not None:
+                run.policy.observe(tree, accepted)
+            if cost is not None:
+                run.modeled_ms += cost.round_ms(len(tree))
+            run.advance(y, i, len(accepted), stop_ids, max_new_tokens)
     if timings is not None:
         timings.update({name: run.tree_seconds for name, run in runs.items()})
+    if modeled is not None:
+        modeled.update({name: run.modeled_ms for name, run in runs.items()})
     return output, {name: run.acceptance_lengths for name, run in runs.items()}

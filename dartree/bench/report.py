@@ -24,6 +24,7 @@ class Summary:
     speedup_vs_ar: float | None = None
     speedup_vs_hf: float | None = None
     speedup_vs_ar_float32: float | None = None  # a 16-bit configuration against float32 ar (the exact CPU default)
+    modeled_speedup: float | None = None  # replay with a cost model: new tokens per modeled ms over ar's (one per step)
     matches_ar_float32: int = 0  # samples whose tokens equal float32 ar's (T = 0, other dtypes)
     stage_ms_per_round: dict = field(default_factory=dict)
     histogram: dict = field(default_factory=dict)
@@ -48,6 +49,7 @@ def summarise(records: list[dict]) -> list[Summary]:
         s.samples = len(rs)
         per_sample, tokens, rounds, decode, new = [], 0, 0, 0.0, 0
         stages, hist = Counter(), Counter()
+        modeled_ms = modeled_ar_ms = 0.0
         for r in rs:
             acc = [a for t in r["turns"] for a in t["acceptance_lengths"]]
             if acc:
@@ -58,6 +60,9 @@ def summarise(records: list[dict]) -> list[Summary]:
             for t in r["turns"]:
                 decode += t["decode_seconds"]
                 new += t["new_tokens"]
+                if "modeled_ms" in t and "modeled_step_ms" in r:
+                    modeled_ms += t["modeled_ms"]
+                    modeled_ar_ms += t["new_tokens"] * r["modeled_step_ms"]  # ar: one token per one-row step
                 for k, v in (t.get("stage_ms") or {}).items():
                     stages[k] += v
             s.mismatches += int(r.get("matches_ar") is False)
@@ -65,6 +70,7 @@ def summarise(records: list[dict]) -> list[Summary]:
         s.tau_macro = sum(per_sample) / len(per_sample) if per_sample else 0.0
         s.tau_micro = tokens / rounds if rounds else 0.0
         s.tokens_per_second = new / decode if decode > 0 else 0.0
+        s.modeled_speedup = modeled_ar_ms / modeled_ms if modeled_ms > 0 else None
         s.stage_ms_per_round = {k: stages[k] / rounds for k in STAGES if rounds}
         s.histogram = dict(sorted(hist.items()))
         out.append(s)
@@ -103,7 +109,9 @@ def markdown(summaries: list[Summary], title: str = "dartree benchmark") -> str:
         keys = list(dict.fromkeys(_label(s) for s in sorted(rows, key=_order)))
         cell = {(s.dataset, _label(s)): s for s in rows}
         timed = any(s.speedup_vs_ar for s in rows)  # replay records carry no wall-clock time
-        lines += [f"## Temperature {temp:g}: τ (macro)" + (" / speedup over ar" if timed else ""), "",
+        modeled = not timed and any(s.modeled_speedup for s in rows)
+        lines += [f"## Temperature {temp:g}: τ (macro)" + (" / speedup over ar" if timed else "")
+                  + (" / speedup over ar modeled on the cost model (a prediction, not a measurement)" if modeled else ""), "",
                   "| method | " + " | ".join(datasets) + " | mean |", "|---|" + "---:|" * (len(datasets) + 1)]
         for k in keys:
             vals, taus, sps = [], [], []
@@ -112,15 +120,16 @@ def markdown(summaries: list[Summary], title: str = "dartree benchmark") -> str:
                 if s is None:
                     vals.append("")
                     continue
-                sp = f"{s.speedup_vs_ar:.2f}x" if s.speedup_vs_ar else "n/a"
+                speed = s.speedup_vs_ar if timed else s.modeled_speedup
+                sp = f"{speed:.2f}x" if speed else "n/a"
                 tau = f"{s.tau_macro:.2f}" if s.tau_macro else "–"
-                vals.append(f"{tau} / {sp}" if timed else tau)
+                vals.append(f"{tau} / {sp}" if timed or modeled else tau)
                 if s.tau_macro:
                     taus.append(s.tau_macro)
-                if s.speedup_vs_ar:
-                    sps.append(s.speedup_vs_ar)
+                if speed:
+                    sps.append(speed)
             mean = f"{sum(taus) / len(taus):.2f}" if taus else "–"
-            if timed:
+            if timed or modeled:
                 mean += " / " + (f"{sum(sps) / len(sps):.2f}x" if sps else "n/a")
             lines.append(f"| {k} | " + " | ".join(vals) + f" | {mean} |")
         # A run that crosses dtypes also compares each 16-bit configuration with float32 ar: its speed
@@ -286,6 +295,12 @@ def complete_prompts(records: list[dict]) -> set[tuple[str, str]]:
     return {p for p, ks in by_prompt.items() if ks == keys}
 
 
+def _cost_model_label(record: dict) -> str:
+    ident = record.get("cost_model") or {}
+    return (f"{ident.get('dtype', '?')}, {ident.get('threads', '?')} thread(s), {ident.get('machine', '?')}, "
+            f"one-row step {record['modeled_step_ms']:.1f} ms")
+
+
 def build_report(run_dir: str | Path, title: str = "dartree benchmark", preamble: str = "") -> Path:
     run_dir = Path(run_dir)
     records = read_records(run_dir / "records.jsonl")
@@ -309,7 +324,13 @@ def build_report(run_dir: str | Path, title: str = "dartree benchmark", preamble
             "τ here comes from exact replay (`dartree bench --replay`): one greedy run and one teacher-forced "
             "target forward per prompt, then every configuration's rounds on the drafter and tree builder alone. "
             "It equals the decoder's acceptance lengths (tested); there are no wall-clock numbers except the "
-            "tree-build time, measured on identical drafts for every configuration.\n\n" + preamble
+            "tree-build time, measured on identical drafts for every configuration.\n\n"
+            + ("Speedups here are modeled, not measured: every round costs the cost model's drafter call + tree "
+               "build + a target forward over the tree's rows (a plain step one row), against ar's one-row step "
+               "per token; budget 'auto' ran its policy on the replayed trees. The cost model: "
+               + ", ".join(sorted({_cost_model_label(r) for r in records if "modeled_step_ms" in r})) + ".\n\n"
+               if any("modeled_step_ms" in r for r in records) else "")
+            + preamble
         )
     if preamble:
         text = text.replace("\n\n", "\n\n" + preamble.strip() + "\n\n", 1)

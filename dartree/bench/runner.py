@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ..costmodel import CostModel
+from ..errors import require
 from ..settings import GenerationSettings
 from ..trees import BUILDERS, TreeSettings, make_builder
 from .datasets import Sample
@@ -221,11 +223,18 @@ def run(pipes, samples: list[Sample], grid: list[RunConfig], out_path: Path, max
     return records
 
 
-def run_replay(pipe, samples: list[Sample], grid: list[RunConfig], out_path: Path, max_new_tokens: int) -> list[dict]:
+def run_replay(pipe, samples: list[Sample], grid: list[RunConfig], out_path: Path, max_new_tokens: int,
+               cost: CostModel | None = None) -> list[dict]:
     """T = 0 acceptance lengths by exact replay (``dartree.bench.replay``): one greedy run and one
     teacher-forced target forward per turn, then every configuration's rounds on the drafter and
     tree builder alone. Records have the bench schema with ``"replay": true``; the only time in
-    them is the tree build, measured on identical drafts for every configuration."""
+    them is the tree build, measured on identical drafts for every configuration.
+
+    With a cost model (needed for budget "auto", whose policy keeps its calibration from prompt to
+    prompt as a pipeline does), each turn also records ``modeled_ms``, the rounds' time on that
+    model, and each record the model's one-row step (``modeled_step_ms``): the report turns them
+    into a modeled speedup over ``ar``."""
+    from ..budget import AdaptiveBudget
     from .replay import enough_greedy, replay
 
     configs = [c for c in grid if c.temperature == 0 and c.method not in PEERS and c.method != "ar"]
@@ -235,6 +244,8 @@ def run_replay(pipe, samples: list[Sample], grid: list[RunConfig], out_path: Pat
     todo = [s for s in samples if any((s.dataset, s.sample_id, c.key) not in done for c in configs)]
     stop = pipe.default_stop_ids()
     builders = {c.key: make_builder(c.method, c.tree_settings()) for c in configs}
+    policies = {c.key: AdaptiveBudget(cost, max_depth=pipe.proposer.num_depths) for c in configs if c.budget == "auto"}
+    require(cost is not None or not policies, "replaying budget 'auto' needs a cost model")
     # The greedy tokens are the expensive part (a full ar run): keep them, so further grids on the
     # same prompts (ablations) reuse them.
     greedy_path = out_path.parent / "greedy.jsonl"
@@ -250,19 +261,23 @@ def run_replay(pipe, samples: list[Sample], grid: list[RunConfig], out_path: Pat
                     greedy_cache[cache_key] = enough_greedy(pipe, ids, max_new_tokens, stop)
                     append_line(greedy_sink, dict(zip(("dataset", "sample_id", "turn", "max_new_tokens"), cache_key),
                                                   tokens=greedy_cache[cache_key]))
-                tree_seconds = {}
+                tree_seconds, modeled_ms = {}, {}
                 output, lengths = replay(pipe, ids, builders, max_new_tokens, stop, greedy_cache[cache_key],
-                                         timings=tree_seconds)
+                                         timings=tree_seconds, cost=cost, policies=policies, modeled=modeled_ms)
                 for key, acc in lengths.items():
                     turns[key].append({"token_ids": output, "new_tokens": len(output), "rounds": len(acc),
                                        "acceptance_lengths": acc, "decode_seconds": 0.0,
-                                       "stage_ms": {"tree": 1000.0 * tree_seconds[key]}})
+                                       "stage_ms": {"tree": 1000.0 * tree_seconds[key]},
+                                       **({"modeled_ms": modeled_ms[key]} if cost is not None else {})})
                 messages.append({"role": "assistant", "content": pipe.tokenizer.decode(output, skip_special_tokens=True)})
             for c in configs:
                 if (sample.dataset, sample.sample_id, c.key) in done:
                     continue
                 rec = {"dataset": sample.dataset, "sample_id": sample.sample_id, "key": c.key, **asdict(c),
                        "max_new_tokens": max_new_tokens, "replay": True, "turns": turns[c.key],
+                       **({"modeled_step_ms": cost.verify(1),
+                           "cost_model": {k: cost.identity.get(k) for k in ("dtype", "threads", "machine")}}
+                          if cost is not None else {}),
                        "output_sha1": _sha1([t["token_ids"] for t in turns[c.key]])}
                 append_line(sink, rec)
                 records.append(rec)
