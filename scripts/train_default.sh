@@ -18,9 +18,11 @@ DATA=${DATA:-data/smollm2-selfdistill}
 # 6665-6800 (7600 schedule), 6800-8000 (9800 schedule, beside a 2-layer trial: --layers 2 grows the resumed
 # drafter) and 8000-11400 (11400 schedule) while `dartree train data` wrote shards 27-39 on the other core
 # (training rescans --data every 200 steps); session 8 ran 11400-16200 of an 18000-step schedule (stopped
-# there, at 3 % of the peak rate) while the data job wrote shards 45-86. To continue, raise DRAFTER_STEPS: the
+# there, at 3 % of the peak rate) while the data job wrote shards 45-86; session 9 ran 16200-18400 of a
+# 20400-step schedule (from its local run folder, optimiser state included) while the data job wrote
+# shards 102-141, and stopped there: the held-out numbers had flattened. To continue, raise DRAFTER_STEPS: the
 # cosine is recomputed for the new length, so the learning rate rises again from the resumed step.
-.venv/bin/dartree train drafter --data "$DATA" --out runs/drafter-v2 --steps "${DRAFTER_STEPS:-18000}" \
+.venv/bin/dartree train drafter --data "$DATA" --out runs/drafter-v2 --steps "${DRAFTER_STEPS:-20400}" \
     --draft-vocab 8192 --anchors 64 --seqs-per-step 1 --eval-every 200 \
     --resume-from dartree/assets/smollm2-drafter-domino \
     --max-minutes "${DRAFTER_MINUTES:-95}" --export dartree/assets/smollm2-drafter-domino
