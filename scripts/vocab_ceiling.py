@@ -1,0 +1,80 @@
+"""What a draft vocabulary of V_d tokens can cost, measured on replay results.
+
+    .venv/bin/python scripts/vocab_ceiling.py docs/results/drafter-v4/gsm8k-humaneval-replay \
+        docs/results/drafter-v4/seven-replay [--data data/smollm2-selfdistill] [--json OUT]
+
+A drafter can never draft a token outside its vocabulary. For each V_d (the V_d most frequent
+tokens of the target-written training responses, as `dartree train drafter --draft-vocab` picks
+them; plus the shipped drafter's own vocabulary) this prints the share of the target's greedy
+benchmark tokens inside it, and the share of `dartree` rounds (B = 16 and 64, from records.jsonl)
+whose first rejected position holds a token outside it: those rounds would have ended there with
+any drafter of that vocabulary, so a larger vocabulary can lengthen at most that share of rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from dartree.loading import load_drafter
+from dartree.train.data import load_shards, shard_files
+from dartree.train.drafter import draft_vocabulary
+
+SIZES = (4096, 8192, 16384, 32768)
+
+
+def ended_outside(records: list[dict], vocab: set[int], budget: int, depth: int) -> tuple[int, int]:
+    """(rounds whose bonus token lies outside ``vocab``, all rounds) of the dartree records at ``budget``;
+    a round that committed every depth plus the bonus was not stopped by a rejection."""
+    outside = rounds = 0
+    for rec in records:
+        if rec["method"] != "dartree" or rec["budget"] != budget:
+            continue
+        for turn in rec["turns"]:
+            pos = 0
+            for length in turn["acceptance_lengths"]:
+                rounds += 1
+                last = pos + length - 1  # the target's own token after the accepted drafts
+                if length <= depth and last < len(turn["token_ids"]) and turn["token_ids"][last] not in vocab:
+                    outside += 1
+                pos += length
+    return outside, rounds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("replays", nargs="+", help="replay result folders (greedy.jsonl and records.jsonl)")
+    parser.add_argument("--data", default="data/smollm2-selfdistill", help="training shards that rank the vocabulary")
+    parser.add_argument("--drafter", default="dartree/assets/smollm2-drafter-domino")
+    parser.add_argument("--json", help="also write the table here")
+    args = parser.parse_args()
+    seqs = load_shards(shard_files(args.data))
+    shipped = load_drafter(args.drafter)
+    n_target = int(shipped.config.vocab_size)
+    depth = shipped.config.num_draft_depths
+    vocabs = {f"shipped ({shipped.config.output_vocab_size})":
+              set(shipped.draft_to_target(torch.arange(shipped.config.output_vocab_size)).tolist())}
+    vocabs.update({str(v): set(draft_vocabulary(seqs, v, n_target).tolist()) for v in SIZES})
+    table = {}
+    for folder in map(Path, args.replays):
+        greedy = [t for line in open(folder / "greedy.jsonl") for t in json.loads(line)["tokens"]]
+        records = [json.loads(line) for line in open(folder / "records.jsonl")]
+        print(f"{folder}: {len(greedy)} greedy tokens")
+        print(f"{'V_d':>14} {'coverage':>9} {'B16 rounds ended outside':>25} {'B64':>7}")
+        rows = table[str(folder)] = {}
+        for name, vocab in vocabs.items():
+            cov = sum(t in vocab for t in greedy) / len(greedy)
+            row = rows[name] = {"coverage": cov}
+            for b in (16, 64):
+                out, n = ended_outside(records, vocab, b, depth)
+                row[f"B{b}"] = out / n if n else None
+            print(f"{name:>14} {cov:9.1%} {row['B16'] or 0:25.1%} {row['B64'] or 0:7.1%}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(table, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
