@@ -6,7 +6,8 @@ times, once per (target, drafter, device, dtype, threads, machine):
 
 - a target forward over n rows (n = 1, 2, 3, 4, 6, ... 128) appended to a context of ``context``
   tokens, with the output layer over the rows a walk asks for first (the likely path, at most
-  ``LIKELY_PATH_ROWS``): the verification of a tree of n - 1 nodes; n = 1 is a plain decoding step;
+  ``verify.OUTPUT_ROWS_PER_ASK`` rows): the verification of a tree of n - 1 nodes; n = 1 is a plain
+  decoding step;
 - one drafter call (a round's draft, with a couple of new context rows, as in steady decoding);
 - the ``dartree`` tree build at the largest budget.
 
@@ -29,8 +30,7 @@ from .errors import DartreeError
 from .hardware import describe_machine
 
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
-COST_MODEL_VERSION = 4  # bumped whenever what is timed changes, so older caches are measured again (3: bf16 attention in fp32 on CPU; 4: column-major fp32 weights)
-LIKELY_PATH_ROWS = 6  # output-layer rows timed per verification (verify.walk computes the likely path first)
+COST_MODEL_VERSION = 5  # bumped whenever what is timed changes, so older caches are measured again (3: bf16 attention in fp32 on CPU; 4: column-major fp32 weights; 5: few-row products weight-first)
 
 
 @dataclass
@@ -155,7 +155,7 @@ def measure(pipe, context: int = 256, rows=ROWS, repeats: int = 3, max_budget: i
     from tqdm import tqdm
 
     from .trees import DraftTree, TreeSettings, make_builder
-    from .verify import ancestor_matrix
+    from .verify import OUTPUT_ROWS_PER_ASK, ancestor_matrix
 
     target = pipe.target
     gen = torch.Generator().manual_seed(0)
@@ -172,7 +172,7 @@ def measure(pipe, context: int = 256, rows=ROWS, repeats: int = 3, max_budget: i
 
         def forward():
             hidden, _ = target.forward_tree_hidden(tokens, depths, mask)
-            target.lm_head(hidden[: min(n, LIKELY_PATH_ROWS)])
+            target.lm_head(hidden[: min(n, OUTPUT_ROWS_PER_ASK)])
             target.compact(context, torch.zeros(0, dtype=torch.long, device=pipe.device))  # back to the context
 
         verify_ms[n] = _median_ms(forward, repeats)

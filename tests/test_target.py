@@ -152,6 +152,29 @@ def test_the_walk_asks_for_the_likely_path_first_and_other_rows_only_when_needed
     assert asked == [[0, 2, 4], [1, 3], [5]]
 
 
+def test_the_walk_asks_for_a_long_likely_path_a_batch_at_a_time():
+    """A chain longer than OUTPUT_ROWS_PER_ASK: the output layer runs on the first batch of the path,
+    and on the next batch only when the target accepts all of the first."""
+    from dartree.trees import DraftTree
+    from dartree.verify import OUTPUT_ROWS_PER_ASK as ask, walk
+
+    n = 2 * ask + 3
+    chain = DraftTree.chain(torch.arange(100, 100 + n))
+    accept_all = {row: 100 + row for row in range(n + 1)}  # row r's choice is the token of row r + 1
+    asked = []
+
+    def choose(rows):
+        asked.append(list(rows))
+        return [accept_all.get(r, 0) for r in rows]
+
+    assert walk(chain, choose) == (list(range(n + 1)), 100 + n)
+    assert asked == [list(range(0, ask)), list(range(ask, 2 * ask)), list(range(2 * ask, n + 1))]
+    asked.clear()
+    accept_all[2] = 0  # rejected at row 2: one batch, never the rest of the chain
+    assert walk(chain, choose) == ([0, 1, 2], 0)
+    assert asked == [list(range(0, ask))]
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_loaded_targets_run_bf16_attention_in_float32_on_cpu(family, model_dirs, monkeypatch):
     """load_target's attention is HF's SDPA, upcast to fp32 for a bf16 CPU model (torch's bf16 CPU
@@ -165,7 +188,7 @@ def test_loaded_targets_run_bf16_attention_in_float32_on_cpu(family, model_dirs,
     fp32 = loading.load_target(path, torch.float32, "cpu")
     assert fp32.config._attn_implementation == loading.ATTENTION
     plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
-    loading.column_major_linear_weights(plain)  # the same weight layout, so only the attention differs
+    loading.few_row_products(plain)  # the same products, so only the attention differs
     with torch.no_grad():
         want = plain(ids).logits
         assert torch.equal(fp32(ids).logits, want)
@@ -204,27 +227,48 @@ def test_bf16_cpu_cache_keeps_kv_in_float32_with_the_same_outputs(family, model_
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_cpu_float_targets_store_linear_weights_column_major(family, model_dirs):
-    """fp32/fp64 CPU targets keep every Linear weight's values and shape but store it column-major
-    (its transpose contiguous: MKL's faster one- and two-row products); a tied output layer gets its
-    own copy, the embedding keeps rows; outputs match the model as Hugging Face loads it; bf16 models
-    keep the row-major layout (oneDNN is faster with it)."""
+def test_cpu_float_targets_compute_few_row_products_weight_first(family, model_dirs):
+    """fp32/fp64 CPU targets keep Hugging Face's weights (same state dict, row-major, a tied output
+    layer still shared with the embedding) but every Linear computes products over up to FEW_ROWS
+    rows weight-first; logits match the model as Hugging Face loads it, over one row, a few rows
+    and many; bf16 models keep plain Linears (oneDNN)."""
     import dartree.loading as loading
 
     path = model_dirs[(family, "target")]
-    ids = torch.tensor([[3, 1, 4, 1, 5, 7, 2, 6]])
+    ids = torch.tensor([[3, 1, 4, 1, 5, 7, 2, 6, 9, 8, 3, 2]])
+    assert ids.shape[1] > loading.FEW_ROWS
     for dtype in (torch.float32, torch.float64):
         plain = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         model = loading.load_target(path, dtype, "cpu")
+        ids = ids % plain.config.vocab_size
         linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-        assert linears and all(m.weight.t().is_contiguous() and not m.weight.is_contiguous() for m in linears)
-        assert model.get_input_embeddings().weight.is_contiguous()
-        assert model.get_output_embeddings().weight.data_ptr() != model.get_input_embeddings().weight.data_ptr()
+        assert linears and all(type(m) is loading.FewRowLinear and m.weight.is_contiguous() for m in linears)
+        if plain.config.tie_word_embeddings:
+            assert model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
         for (name, want), (_, got) in zip(plain.state_dict().items(), model.state_dict().items()):
             assert torch.equal(want, got), name
+        tol = {} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-12}
         with torch.no_grad():
-            torch.testing.assert_close(model(ids).logits, plain(ids).logits)
-            step = [model(ids[:, : k + 1]).logits[0, -1] for k in range(ids.shape[1])]  # one-row products too
-        torch.testing.assert_close(torch.stack(step), plain(ids).logits[0])
+            want = plain(ids).logits
+            for rows in range(1, ids.shape[1] + 1):  # prefixes: products over 1 .. 12 rows
+                torch.testing.assert_close(model(ids[:, :rows]).logits, want[:, :rows], **tol)
     bf16 = loading.load_target(path, torch.bfloat16, "cpu")
-    assert all(m.weight.is_contiguous() for m in bf16.modules() if isinstance(m, torch.nn.Linear))
+    assert all(type(m) is torch.nn.Linear for m in bf16.modules() if isinstance(m, torch.nn.Linear))
+
+
+def test_few_row_linear_matches_linear_for_any_leading_shape_and_bias():
+    """FewRowLinear equals F.linear (float64) for 0 to 9 rows in any leading shape, with and without bias."""
+    from dartree.loading import FewRowLinear, few_row_products
+
+    torch.manual_seed(0)
+    for bias in (True, False):
+        layer = torch.nn.Linear(7, 5, bias=bias, dtype=torch.float64)
+        few = torch.nn.Sequential(torch.nn.Linear(7, 5, bias=bias, dtype=torch.float64))
+        few[0].load_state_dict(layer.state_dict())
+        few_row_products(few)
+        assert type(few[0]) is FewRowLinear
+        for shape in [(1, 7), (2, 7), (1, 1, 7), (1, 3, 7), (2, 2, 7), (1, 6, 7), (1, 9, 7), (0, 7), (3, 3, 7)]:
+            x = torch.randn(*shape, dtype=torch.float64)
+            got = few(x)
+            assert got.shape == (*shape[:-1], 5)
+            torch.testing.assert_close(got, layer(x), rtol=1e-13, atol=1e-13)
