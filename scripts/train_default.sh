@@ -20,9 +20,10 @@ DATA=${DATA:-data/smollm2-selfdistill}
 # (training rescans --data every 200 steps); session 8 ran 11400-16200 of an 18000-step schedule (stopped
 # there, at 3 % of the peak rate) while the data job wrote shards 45-86; session 9 ran 16200-18400 of a
 # 20400-step schedule (from its local run folder, optimiser state included) while the data job wrote
-# shards 102-141, and stopped there: the held-out numbers had flattened. To continue, raise DRAFTER_STEPS: the
+# shards 102-141, and stopped there: the held-out numbers had flattened; session 10 ran 18400-20800 of a
+# 22500-step schedule while the data job wrote the last shards (176-194). To continue, raise DRAFTER_STEPS: the
 # cosine is recomputed for the new length, so the learning rate rises again from the resumed step.
-.venv/bin/dartree train drafter --data "$DATA" --out runs/drafter-v2 --steps "${DRAFTER_STEPS:-20400}" \
+.venv/bin/dartree train drafter --data "$DATA" --out runs/drafter-v2 --steps "${DRAFTER_STEPS:-22500}" \
     --draft-vocab 8192 --anchors 64 --seqs-per-step 1 --eval-every 200 \
     --resume-from dartree/assets/smollm2-drafter-domino \
     --max-minutes "${DRAFTER_MINUTES:-95}" --export dartree/assets/smollm2-drafter-domino
