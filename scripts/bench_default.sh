@@ -53,10 +53,12 @@ case "${1:-}" in
     fi ;;
   modeled-auto)             # budget auto against fixed budgets, replayed on a cost model (COST=float32|bfloat16, the
     # committed one-thread models of this CPU) over the drafter-replay prompts; speedups are modeled, not measured.
+    # COSTS: the folder of cost models (default: the newest committed, measured in session 10).
     R=$OUT/${TAG:-drafter}; C=${COST:-float32}; M=$R/modeled-$C; mkdir -p $M
+    COSTS=${COSTS:-docs/results/fast-on-this-machine/cost-models/session10}
     [ -f $M/greedy.jsonl ] || cat $R/gsm8k-humaneval-replay/greedy.jsonl $R/seven-replay/greedy.jsonl > $M/greedy.jsonl 2>/dev/null || true
     .venv/bin/dartree bench --replay --datasets all --limit 5 --max-new-tokens 256 --methods dartree \
-        --budgets auto,4,8,16,32,64 --cost-model docs/results/fast-on-this-machine/cost-models/$C-1thread.json \
+        --budgets auto,4,8,16,32,64 --cost-model $COSTS/$C-1thread.json \
         --threads 1 ${DRAFTER:+--drafter $DRAFTER} --out $M ;;
   *) echo "usage: $0 gsm8k-humaneval-replay|gsm8k-humaneval-decoded|ablations|seven-decoded|seven-replay|fast-decoded|drafter-v2-replay|drafter-replay|modeled-auto" >&2; exit 2 ;;
 esac
