@@ -13,7 +13,7 @@ from .decoding import GenerationStats, decode
 from .drafter import DraftProposer, DrafterModel
 from .errors import require
 from .hardware import set_threads
-from .loading import check_pair, load_drafter, load_target, load_tokenizer, parse_dtype, resolve_device
+from .loading import check_pair, cpu_products, load_drafter, load_target, load_tokenizer, parse_dtype, resolve_device
 from .settings import GenerationSettings
 from .target import TargetAdapter, check_context_length
 from .trees import available_methods
@@ -200,4 +200,6 @@ def load(target: str | Path | None = None, drafter: str | Path | None = None, dt
             drafter = default_drafter_dir()
     model = load_target(target, dtype, device)
     draft_model = load_drafter(drafter, dtype=dtype, device=device) if drafter is not None else None
+    if draft_model is not None and device.type == "cpu" and dtype in (torch.float32, torch.float64):
+        cpu_products(draft_model)  # as the target's (loading.CpuLinear); training loads drafters without it
     return Pipeline(model, draft_model, load_tokenizer(target))

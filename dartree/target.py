@@ -89,6 +89,8 @@ class TargetAdapter:
         self._tap = LayerTap(model, self.tapped_layers)
         self.capture = bool(self.tapped_layers)
         self.cache: DynamicCache | None = None
+        self._mask_buffer: torch.Tensor | None = None  # tree_mask's, reused across rounds
+        self._mask_window: tuple[int, int, int] | None = None  # (rows, first, last column) it filled last
 
     @property
     def capture(self) -> bool:
@@ -154,12 +156,24 @@ class TargetAdapter:
         return out.last_hidden_state[0], self._features()
 
     def tree_mask(self, visibility: torch.Tensor) -> torch.Tensor:
-        """Additive mask [1, 1, n, past + n] from a boolean ancestor matrix [n, n]."""
+        """Additive mask [1, 1, n, past + n] from a boolean ancestor matrix [n, n].
+
+        The mask is a view of one buffer kept across rounds (grown, with room to spare, when a round
+        needs more rows or columns): a round clears the window the previous round filled and fills
+        its own, instead of allocating and zeroing [n, past + n] anew."""
         past = self.cache_length
         n = visibility.shape[0]
-        mask = torch.zeros(1, 1, n, past + n, dtype=self.dtype, device=self.device)
-        mask[0, 0, :, past:].masked_fill_(~visibility, torch.finfo(self.dtype).min)
-        return mask
+        buf = self._mask_buffer
+        if buf is None or buf.shape[0] < n or buf.shape[1] < past + n or buf.dtype != self.dtype or buf.device != self.device:
+            rows = max(n, 65 if buf is None else buf.shape[0])  # room for the paper's B = 64 and the root
+            cols = max(2 * (past + n), 512 if buf is None else buf.shape[1])
+            buf = self._mask_buffer = torch.zeros(rows, cols, dtype=self.dtype, device=self.device)
+        elif self._mask_window is not None:
+            rows, lo, hi = self._mask_window
+            buf[:rows, lo:hi] = 0
+        buf[:n, past : past + n].masked_fill_(~visibility, torch.finfo(self.dtype).min)
+        self._mask_window = (n, past, past + n)
+        return buf[None, None, :n, : past + n]
 
     def compact(self, start: int, keep: torch.Tensor) -> None:
         """Keep the K/V of tree rows ``keep`` (indices into the appended window) at start.. and crop."""

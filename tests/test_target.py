@@ -48,6 +48,38 @@ def test_tree_mask_is_additive_and_sees_the_prefix(hf_model):
     assert mask[0, 0, 5, 3 + 4] == 0 and mask[0, 0, 5, 3 + 2] == torch.finfo(torch.float64).min
 
 
+def test_tree_mask_reuses_one_buffer_across_rounds(hf_model):
+    """Rounds of different sizes at a growing context get the mask a fresh build gives (no -inf left
+    over from an earlier round's window), all as views of one buffer while it is large enough."""
+    import random
+
+    def fresh(visibility, past):
+        mask = torch.zeros(1, 1, visibility.shape[0], past + visibility.shape[0], dtype=torch.float64)
+        mask[0, 0, :, past:].masked_fill_(~visibility, torch.finfo(torch.float64).min)
+        return mask
+
+    rng = random.Random(0)
+    adapter = TargetAdapter(hf_model, [])
+    adapter.prefill(torch.tensor([1, 2, 3]))
+    storage = set()
+    for _ in range(12):
+        n = rng.randint(1, 9)
+        parents = [rng.randint(0, i) for i in range(n)]  # node i's parent row: the root (0) or a node before it
+        depths = []
+        for p in parents:
+            depths.append(1 if p == 0 else depths[p - 1] + 1)
+        vocab = hf_model.config.vocab_size
+        tree = DraftTree.from_lists([rng.randrange(vocab) for _ in range(n)], parents, depths)
+        vis = ancestor_matrix(tree)
+        mask = adapter.tree_mask(vis)
+        assert torch.equal(mask, fresh(vis, adapter.cache_length))
+        storage.add(mask.untyped_storage().data_ptr())
+        rows, tree_depths = tree.rows(rng.randrange(vocab))
+        adapter.forward_tree(rows, tree_depths, mask)  # the cache grows by the tree; keep a prefix
+        adapter.compact(adapter.cache_length - len(rows), torch.arange(rng.randint(1, len(rows))))
+    assert len(storage) == 1
+
+
 def test_tree_forward_equals_sequential_forward_on_every_path(hf_model):
     """Each node's logits equal a plain causal forward over prefix + its root-to-node path."""
     prefix = [4, 0, 6]
@@ -188,7 +220,7 @@ def test_loaded_targets_run_bf16_attention_in_float32_on_cpu(family, model_dirs,
     fp32 = loading.load_target(path, torch.float32, "cpu")
     assert fp32.config._attn_implementation == loading.ATTENTION
     plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
-    loading.few_row_products(plain)  # the same products, so only the attention differs
+    loading.cpu_products(plain)  # the same products, so only the attention differs
     with torch.no_grad():
         want = plain(ids).logits
         assert torch.equal(fp32(ids).logits, want)
@@ -227,11 +259,11 @@ def test_bf16_cpu_cache_keeps_kv_in_float32_with_the_same_outputs(family, model_
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_cpu_float_targets_compute_few_row_products_weight_first(family, model_dirs):
+def test_cpu_float_targets_run_their_products_on_cpu_linears(family, model_dirs):
     """fp32/fp64 CPU targets keep Hugging Face's weights (same state dict, row-major, a tied output
-    layer still shared with the embedding) but every Linear computes products over up to FEW_ROWS
-    rows weight-first; logits match the model as Hugging Face loads it, over one row, a few rows
-    and many; bf16 models keep plain Linears (oneDNN)."""
+    layer still shared with the embedding) but every Linear is a CpuLinear (fp32 on oneDNN-packed
+    weights where torch has oneDNN); logits match the model as Hugging Face loads it, over one row,
+    a few rows and many; bf16 models keep plain Linears (oneDNN already)."""
     import dartree.loading as loading
 
     path = model_dirs[(family, "target")]
@@ -242,11 +274,13 @@ def test_cpu_float_targets_compute_few_row_products_weight_first(family, model_d
         model = loading.load_target(path, dtype, "cpu")
         ids = ids % plain.config.vocab_size
         linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-        assert linears and all(type(m) is loading.FewRowLinear and m.weight.is_contiguous() for m in linears)
+        assert linears and all(type(m) is loading.CpuLinear and m.weight.is_contiguous() for m in linears)
+        assert all(m.pack_weights == loading.onednn_packing_available() for m in linears)
         if plain.config.tie_word_embeddings:
             assert model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
         for (name, want), (_, got) in zip(plain.state_dict().items(), model.state_dict().items()):
             assert torch.equal(want, got), name
+        assert model.state_dict().keys() == plain.state_dict().keys()
         tol = {} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-12}
         with torch.no_grad():
             want = plain(ids).logits
@@ -256,19 +290,35 @@ def test_cpu_float_targets_compute_few_row_products_weight_first(family, model_d
     assert all(type(m) is torch.nn.Linear for m in bf16.modules() if isinstance(m, torch.nn.Linear))
 
 
-def test_few_row_linear_matches_linear_for_any_leading_shape_and_bias():
-    """FewRowLinear equals F.linear (float64) for 0 to 9 rows in any leading shape, with and without bias."""
-    from dartree.loading import FewRowLinear, few_row_products
+@pytest.mark.parametrize("pack", [True, False])
+def test_cpu_linear_matches_linear_for_any_rows_shape_and_bias(pack):
+    """CpuLinear equals F.linear for 0 to 70 rows in any leading shape, with and without bias: fp32
+    on packed weights (oneDNN) or weight-first, fp64 weight-first. The packed copy follows in-place
+    changes of the weights, and while autograd records the product is F.linear (gradients flow)."""
+    from dartree.loading import CpuLinear, cpu_products, onednn_packing_available
 
+    if pack and not onednn_packing_available():
+        pytest.skip("this torch build has no oneDNN")
     torch.manual_seed(0)
-    for bias in (True, False):
-        layer = torch.nn.Linear(7, 5, bias=bias, dtype=torch.float64)
-        few = torch.nn.Sequential(torch.nn.Linear(7, 5, bias=bias, dtype=torch.float64))
-        few[0].load_state_dict(layer.state_dict())
-        few_row_products(few)
-        assert type(few[0]) is FewRowLinear
-        for shape in [(1, 7), (2, 7), (1, 1, 7), (1, 3, 7), (2, 2, 7), (1, 6, 7), (1, 9, 7), (0, 7), (3, 3, 7)]:
-            x = torch.randn(*shape, dtype=torch.float64)
-            got = few(x)
-            assert got.shape == (*shape[:-1], 5)
-            torch.testing.assert_close(got, layer(x), rtol=1e-13, atol=1e-13)
+    shapes = [(1, 7), (2, 7), (1, 1, 7), (1, 3, 7), (2, 2, 7), (1, 6, 7), (1, 9, 7), (0, 7), (3, 3, 7), (1, 17, 7), (70, 7)]
+    for dtype, tol in ((torch.float32, 1e-5), (torch.float64, 1e-13)):
+        for bias in (True, False):
+            layer = torch.nn.Linear(7, 5, bias=bias, dtype=dtype)
+            fast = torch.nn.Sequential(torch.nn.Linear(7, 5, bias=bias, dtype=dtype))
+            fast[0].load_state_dict(layer.state_dict())
+            cpu_products(fast, pack=pack)
+            assert type(fast[0]) is CpuLinear and fast[0].pack_weights == pack
+            for _ in range(2):  # the second pass runs on the copy packed by the first
+                for shape in shapes:
+                    x = torch.randn(*shape, dtype=dtype)
+                    with torch.no_grad():
+                        got = fast(x)
+                    assert got.shape == (*shape[:-1], 5)
+                    torch.testing.assert_close(got, layer(x).detach(), rtol=tol, atol=tol)
+                with torch.no_grad():  # in place, as load_state_dict or an optimizer step does
+                    layer.weight.mul_(-2.0)
+                    fast[0].weight.mul_(-2.0)
+            x = torch.randn(3, 7, dtype=dtype)
+            fast(x).sum().backward()
+            layer(x).sum().backward()
+            torch.testing.assert_close(fast[0].weight.grad, layer.weight.grad, rtol=tol, atol=tol)
