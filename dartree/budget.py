@@ -51,6 +51,9 @@ class AdaptiveBudget:
     smoothing: float = 0.2  # weight of the newest drafted round in the running value of drafting
     probe_every: int = 4  # plain steps before the first probe of speculation; doubles after each lost probe
     max_probe_every: int = 32  # the most plain steps between two probes
+    build_headroom: int = 2  # build up to this many times the largest prefix chosen in recent rounds
+    min_build: int = 16  # ... but never fewer nodes than this
+    recent_rounds: int = 8  # the rounds that count as recent for the build size
     predicted: list[float] = field(default_factory=list)  # per depth: decayed sum of p over verified nodes
     accepted: list[float] = field(default_factory=list)  # per depth: decayed count of accepted verified nodes
     value: float = 1.0  # running expected speed of a drafted round over a plain step's (< 1: back off)
@@ -74,6 +77,21 @@ class AdaptiveBudget:
             self.history.append(-1)
             return False
         return True
+
+    def build_size(self, largest: int) -> int:
+        """How many nodes to build this round (at most ``largest``, the settings' max_budget).
+
+        A ranked tree's top-b prefix is the same whatever size it was built at (parents rank before
+        their children, and a builder stops expanding only where no deeper node can enter its
+        top-size list), so a smaller build changes only which b this round may choose, never the
+        tree of a given b. Nodes ranked below any b the policy would pick are wasted work: the
+        build is limited to ``build_headroom`` times the largest b chosen in the last
+        ``recent_rounds`` (at least ``min_build``); a round that chooses the limit doubles it for
+        the next, and with no recent choice (at the start, after plain steps) it is ``largest``."""
+        recent = [b for b in self.history[-self.recent_rounds:] if b > 0]
+        if not recent:
+            return largest
+        return min(largest, max(self.min_build, self.build_headroom * max(recent)))
 
     def calibration(self, depths: torch.Tensor) -> torch.Tensor:
         c = torch.tensor([(self.prior + a) / (self.prior + p) for a, p in zip(self.accepted, self.predicted)],

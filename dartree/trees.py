@@ -241,13 +241,14 @@ class TreeBuilder:
     def __init__(self, settings: TreeSettings):
         self.settings = settings
 
-    def build(self, draft, head: CorrectionHead | None) -> DraftTree:
-        """The tree over draft ids (the draft's output vocabulary)."""
+    def build(self, draft, head: CorrectionHead | None, size: int) -> DraftTree:
+        """The tree over draft ids (the draft's output vocabulary), of at most ``size`` nodes."""
         raise NotImplementedError
 
-    def propose(self, draft, head: CorrectionHead | None) -> DraftTree:
-        """The tree over target ids, ready to verify."""
-        tree = self.build(draft, head)
+    def propose(self, draft, head: CorrectionHead | None, size: int | None = None) -> DraftTree:
+        """The tree over target ids, ready to verify. ``size``: build at most this many nodes this
+        round instead of ``settings.build_budget`` (budget "auto" builds no more than it may verify)."""
+        tree = self.build(draft, head, self.settings.build_budget if size is None else size)
         if getattr(draft, "d2t", None) is not None and len(tree):
             tree = replace(tree, tokens=draft.to_target(tree.tokens))
         return tree
@@ -260,7 +261,7 @@ class AutoregressiveBuilder(TreeBuilder):
     name = "ar"
     uses_drafter = False
 
-    def build(self, draft, head):
+    def build(self, draft, head, size):
         return DraftTree.empty()
 
 
@@ -268,7 +269,7 @@ class AutoregressiveBuilder(TreeBuilder):
 class DFlashBuilder(TreeBuilder):
     name = "dflash"
 
-    def build(self, draft, head):
+    def build(self, draft, head, size):
         return DraftTree.chain(draft.base_logits.argmax(-1))
 
 
@@ -277,7 +278,7 @@ class DominoBuilder(TreeBuilder):
     name = "domino"
     needs_head = True
 
-    def build(self, draft, head):
+    def build(self, draft, head, size):
         tokens, _ = corrected_chain_logits(draft, head)
         return DraftTree.chain(tokens)
 
@@ -288,8 +289,8 @@ class DDTreeBuilder(TreeBuilder):
     ranked = True
     reads = ("budget",)
 
-    def build(self, draft, head):
-        return best_first_marginals(draft.base_logits.log_softmax(-1), self.settings.build_budget)
+    def build(self, draft, head, size):
+        return best_first_marginals(draft.base_logits.log_softmax(-1), size)
 
 
 @register
@@ -299,9 +300,9 @@ class DominoDDTreeBuilder(TreeBuilder):
     needs_head = True
     reads = ("budget",)
 
-    def build(self, draft, head):
+    def build(self, draft, head, size):
         _, logits = corrected_chain_logits(draft, head)
-        return best_first_marginals(logits.log_softmax(-1), self.settings.build_budget)
+        return best_first_marginals(logits.log_softmax(-1), size)
 
 
 def candidate_tables(draft, top_k: int) -> torch.Tensor:
@@ -323,7 +324,7 @@ class HeapBuilder(TreeBuilder):
     needs_head = True
     reads = ("budget", "top_k", "beta")
 
-    def build(self, draft, head):
+    def build(self, draft, head, size):
         s = self.settings
         cands = candidate_tables(draft, s.top_k)
         depth_count = cands.shape[0]
@@ -342,7 +343,7 @@ class HeapBuilder(TreeBuilder):
         heap = [(-(root_lps[0] + s.beta), 0, 0, 1, 0, 0.0)]
         tokens, parents, depths, scores = [], [], [], []
         tie = 1
-        while heap and len(tokens) < s.build_budget:
+        while heap and len(tokens) < size:
             _, _, parent, depth, rank, parent_score = heapq.heappop(heap)
             lps, toks, parent_state = expanded[parent]
             token, score = toks[rank], parent_score + lps[rank]
@@ -427,11 +428,11 @@ class DARTreeBuilder(TreeBuilder):
     needs_head = True
     reads = ("budget", "width", "top_k", "beta")
 
-    def build(self, draft, head):
+    def build(self, draft, head, size):
         s = self.settings
-        st = grow_supertree(draft, head, s.top_k, lambda slot, placed: s.width, budget=s.build_budget, beta=s.beta)
+        st = grow_supertree(draft, head, s.top_k, lambda slot, placed: s.width, budget=size, beta=s.beta)
         prune = st.scores + s.beta * st.depths.to(st.scores.dtype)
-        keep = select_top_b(prune, st.parents, s.build_budget)
+        keep = select_top_b(prune, st.parents, size)
         tree = subtree(st.tokens, st.parents, st.depths, keep)
         # The deferred top-B order itself: every prefix is the top-b tree (Lemma 1; ties to the smaller
         # row, which is the parent), so a per-round budget can cut the tree without rebuilding it.
@@ -448,8 +449,8 @@ class DARTreeFixedBuilder(TreeBuilder):
     needs_head = True
     reads = ("budget", "top_k")
 
-    def build(self, draft, head):
-        budget = self.settings.build_budget
+    def build(self, draft, head, size):
+        budget = size
         depth_count = draft.base_logits.shape[0]
 
         def quota(slot, placed):

@@ -79,6 +79,20 @@ def test_run_resumes_compares_with_ar_and_reports(tiny_pipe, tmp_path):
     assert (tmp_path / "tau_by_method.png").is_file() and (tmp_path / "latency_breakdown.png").is_file()
 
 
+def test_hf_peers_run_on_the_target_as_hugging_face_loads_it(tiny_pipe):
+    """The Hugging Face peers stand for what a user would run without dartree: the same weights
+    loaded by from_pretrained, with plain Linears (not dartree's CpuLinear), loaded once."""
+    from dartree.bench.runner import plain_hf_model
+
+    plain = plain_hf_model(tiny_pipe)
+    assert plain is not tiny_pipe.model and plain_hf_model(tiny_pipe) is plain
+    assert plain.dtype == tiny_pipe.model.dtype
+    linears = [m for m in plain.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(type(m) is torch.nn.Linear for m in linears)
+    for (name, want), (_, got) in zip(tiny_pipe.model.state_dict().items(), plain.state_dict().items()):
+        assert torch.equal(want, got), name
+
+
 def test_replay_records_equal_decoded_acceptance_lengths(tiny_pipe, tmp_path, monkeypatch):
     samples = select(load_samples("mt-bench"), 1) + select(load_samples("gsm8k"), 3)
     grid = build_grid(["dflash", "ddtree", "dartree", "heap", "domino", "hf-generate"], [0.0], [3, 8])

@@ -53,6 +53,31 @@ def test_a_cheap_verify_takes_a_large_budget_and_an_expensive_one_a_small_one():
     assert chosen == 1 + max(range(len(rates)), key=rates.__getitem__)
 
 
+def test_the_build_covers_every_prefix_the_policy_chose_lately_and_grows_when_it_binds():
+    """A round builds max_budget nodes until the policy has chosen; then twice the largest recent
+    choice (at least min_build), doubling while the choice reaches the limit, and the full size again
+    after rounds without drafting."""
+    policy = AdaptiveBudget(synthetic_cost(10.0, 0.01), min_build=4)  # a cheap verify takes every node
+    assert policy.build_size(64) == 64
+    sizes = []
+    for _ in range(6):
+        size = policy.build_size(64)
+        sizes.append(size)
+        policy.cut(ranked_tree([0.9] * size))  # chooses the whole tree it was given
+    assert sizes == [64, 64, 64, 64, 64, 64]
+    policy = AdaptiveBudget(synthetic_cost(10.0, 2.0), min_build=4)  # takes 3 of these nodes
+    tree = ranked_tree([0.9, 0.8, 0.5, 0.1, 0.05, 0.01] * 2)
+    policy.cut(tree)
+    assert policy.history == [3] and policy.build_size(64) == 6 and policy.build_size(5) == 5
+    policy.history += [-1] * policy.recent_rounds  # plain steps since
+    assert policy.build_size(64) == 64
+    grow = AdaptiveBudget(synthetic_cost(10.0, 0.01), min_build=4)
+    grow.history = [4]
+    assert grow.build_size(64) == 8
+    grow.cut(ranked_tree([0.9] * 8))
+    assert grow.build_size(64) == 16
+
+
 def test_an_expensive_verify_or_a_hopeless_draft_takes_plain_steps():
     tree = ranked_tree([0.9, 0.8, 0.7])
     assert AdaptiveBudget(synthetic_cost(10.0, 20.0)).choose(tree).nodes == 0
@@ -117,8 +142,8 @@ def test_every_prefix_of_a_ranked_tree_is_the_tree_of_that_budget(seed, budget, 
     """dartree's ranking is its deferred top-B order: the best b nodes of the B=48 tree are exactly
     the tree it builds with budget b. The heaps' pop order has the same property."""
     draft, head = random_draft(seed)
-    big = make_builder(method, TreeSettings(budget=48, width=6, top_k=8)).build(draft, head)
-    small = make_builder(method, TreeSettings(budget=budget, width=6, top_k=8)).build(draft, head)
+    big = make_builder(method, TreeSettings(budget=48, width=6, top_k=8)).build(draft, head, 48)
+    small = make_builder(method, TreeSettings(budget=budget, width=6, top_k=8)).build(draft, head, budget)
     cut = big.prefix(budget)
     assert cut.paths() == small.paths()
     parents = cut.parents.tolist()

@@ -131,8 +131,8 @@ def check_well_formed(tree: DraftTree):
 def test_heap_and_dartree_pick_the_same_tree_when_the_beam_is_wide(kind, seed, budget, top_k, beta):
     draft, head = random_draft(seed), random_head(kind, seed)
     s = TreeSettings(budget=budget, width=budget, top_k=top_k, beta=beta)  # W >= B keeps every node the heap visits
-    heap_tree = make_builder("heap", s).build(draft, head)
-    dar_tree = make_builder("dartree", s).build(draft, head)
+    heap_tree = make_builder("heap", s).build(draft, head, budget)
+    dar_tree = make_builder("dartree", s).build(draft, head, budget)
     check_well_formed(heap_tree)
     check_well_formed(dar_tree)
     assert len(heap_tree) == len(dar_tree) == budget
@@ -143,7 +143,7 @@ def test_heap_and_dartree_pick_the_same_tree_when_the_beam_is_wide(kind, seed, b
 @pytest.mark.parametrize("budget", [1, 5, 16, 64])
 def test_builders_make_valid_trees(method, budget):
     draft, head = random_draft(budget), random_head("domino", budget)
-    tree = make_builder(method, TreeSettings(budget=budget, width=4, top_k=8)).build(draft, head)
+    tree = make_builder(method, TreeSettings(budget=budget, width=4, top_k=8)).build(draft, head, budget)
     check_well_formed(tree)
     if method in ("dflash", "domino"):
         assert len(tree) == D and tree.depths.tolist() == list(range(1, D + 1))
@@ -155,7 +155,7 @@ def test_builders_make_valid_trees(method, budget):
 
 def test_dartree_fixed_spreads_the_budget_over_depths():
     draft, head = random_draft(1), random_head("domino", 1)
-    tree = make_builder("dartree-fixed", TreeSettings(budget=24, top_k=8)).build(draft, head)
+    tree = make_builder("dartree-fixed", TreeSettings(budget=24, top_k=8)).build(draft, head, 24)
     assert torch.bincount(tree.depths)[1:].tolist() == [4] * D
 
 
@@ -179,7 +179,7 @@ def test_ddtree_is_the_top_b_of_the_factorised_distribution():
 
 def test_domino_chain_uses_the_corrected_argmax():
     draft, head = random_draft(3), random_head("domino", 3)
-    tree = make_builder("domino").build(draft, head)
+    tree = make_builder("domino").build(draft, head, TreeSettings().build_budget)
     rnd = head.start_round(draft.hidden, draft.base_logits)
     state = head.initial_state(draft.bonus)
     for slot, token in enumerate(tree.tokens.tolist()):

@@ -151,10 +151,27 @@ def _run_ours(pipe, sample: Sample, cfg: RunConfig, max_new_tokens: int, seed: i
     return turns
 
 
+_PLAIN_MODELS: dict[tuple[str, str, str], torch.nn.Module] = {}
+
+
+def plain_hf_model(pipe) -> torch.nn.Module:
+    """The pipeline's target as a user would load it without dartree: ``from_pretrained`` with
+    Hugging Face's own attention and products (dartree's loading changes both on a CPU), once per
+    target, dtype and device. The Hugging Face peers run on it."""
+    model = pipe.model
+    key = (str(model.config._name_or_path), str(model.dtype), str(model.device))
+    if key not in _PLAIN_MODELS:
+        from transformers import AutoModelForCausalLM
+
+        _PLAIN_MODELS[key] = AutoModelForCausalLM.from_pretrained(key[0], dtype=model.dtype).to(model.device).eval()
+    return _PLAIN_MODELS[key]
+
+
 @torch.no_grad()
 def _run_hf(pipe, sample: Sample, cfg: RunConfig, max_new_tokens: int) -> list[dict]:
-    """Hugging Face generate (greedy) or prompt-lookup decoding, timed the same way (prefill excluded)."""
-    model, stop = pipe.model, sorted(pipe.default_stop_ids())
+    """Hugging Face generate (greedy) or prompt-lookup decoding on the target as Hugging Face loads
+    it (``plain_hf_model``), timed the same way (prefill excluded)."""
+    model, stop = plain_hf_model(pipe), sorted(pipe.default_stop_ids())
     messages, turns = [], []
     for turn in sample.turns:
         messages.append({"role": "user", "content": turn})
