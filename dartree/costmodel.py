@@ -150,7 +150,7 @@ def _median_ms(fn, repeats: int) -> float:
 
 
 @torch.no_grad()
-def measure(pipe, context: int = 256, rows=ROWS, repeats: int = 3, max_budget: int = 64, progress: bool = True) -> CostModel:
+def measure(pipe, context: int = 256, rows=ROWS, repeats: int = 5, max_budget: int = 64, progress: bool = True) -> CostModel:
     """Time the forwards, the drafter call and the tree build of ``pipe`` on this machine."""
     from tqdm import tqdm
 
@@ -163,19 +163,29 @@ def measure(pipe, context: int = 256, rows=ROWS, repeats: int = 3, max_budget: i
     prompt = torch.randint(vocab, (context,), generator=gen).to(pipe.device)
     target.capture = pipe.drafter is not None
     _, features = target.prefill(prompt)
-    verify_ms = {}
-    for n in tqdm(rows, desc="timing target forwards", unit="size", disable=not progress):
+    forwards = {}
+    for n in rows:
         tokens = torch.randint(vocab, (n,), generator=gen).to(pipe.device)
-        chain = DraftTree.chain(tokens[1:])
-        depths = torch.arange(n, device=pipe.device)
+        forwards[n] = (tokens, torch.arange(n, device=pipe.device), DraftTree.chain(tokens[1:]))
+
+    def forward(n):
+        tokens, depths, chain = forwards[n]
         mask = target.tree_mask(ancestor_matrix(chain)) if n > 1 else None
+        hidden, _ = target.forward_tree_hidden(tokens, depths, mask)
+        target.lm_head(hidden[: min(n, OUTPUT_ROWS_PER_ASK)])
+        target.compact(context, torch.zeros(0, dtype=torch.long, device=pipe.device))  # back to the context
 
-        def forward():
-            hidden, _ = target.forward_tree_hidden(tokens, depths, mask)
-            target.lm_head(hidden[: min(n, OUTPUT_ROWS_PER_ASK)])
-            target.compact(context, torch.zeros(0, dtype=torch.long, device=pipe.device))  # back to the context
-
-        verify_ms[n] = _median_ms(forward, repeats)
+    # Sizes take turns, one forward each per pass, so a machine whose speed drifts (a shared or
+    # throttled CPU) shifts every size alike instead of bending the curve; each size's median counts.
+    times = {n: [] for n in rows}
+    for n in rows:
+        forward(n)  # warm-up
+    for _ in tqdm(range(repeats), desc="timing target forwards", unit="pass", disable=not progress):
+        for n in rows:
+            t0 = time.perf_counter()
+            forward(n)
+            times[n].append(1000.0 * (time.perf_counter() - t0))
+    verify_ms = {n: statistics.median(ts) for n, ts in times.items()}
     draft_ms = tree_ms = 0.0
     if pipe.proposer is not None:
         bonus = int(prompt[-1])
