@@ -265,17 +265,18 @@ def test_cpu_float_targets_run_their_products_on_cpu_linears(family, model_dirs)
     weights where torch has oneDNN); logits match the model as Hugging Face loads it, over one row,
     a few rows and many; bf16 models keep plain Linears (oneDNN already)."""
     import dartree.loading as loading
+    import dartree.products as products
 
     path = model_dirs[(family, "target")]
     ids = torch.tensor([[3, 1, 4, 1, 5, 7, 2, 6, 9, 8, 3, 2]])
-    assert ids.shape[1] > loading.FEW_ROWS
+    assert ids.shape[1] > products.FEW_ROWS
     for dtype in (torch.float32, torch.float64):
         plain = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         model = loading.load_target(path, dtype, "cpu")
         ids = ids % plain.config.vocab_size
         linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-        assert linears and all(type(m) is loading.CpuLinear and m.weight.is_contiguous() for m in linears)
-        assert all(m.pack_weights == loading.onednn_packing_available() for m in linears)
+        assert linears and all(type(m) is products.CpuLinear and m.weight.is_contiguous() for m in linears)
+        assert all(m.pack_weights == products.onednn_packing_available() for m in linears)
         if plain.config.tie_word_embeddings:
             assert model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
         for (name, want), (_, got) in zip(plain.state_dict().items(), model.state_dict().items()):
@@ -294,8 +295,11 @@ def test_cpu_float_targets_run_their_products_on_cpu_linears(family, model_dirs)
 def test_cpu_linear_matches_linear_for_any_rows_shape_and_bias(pack):
     """CpuLinear equals F.linear for 0 to 70 rows in any leading shape, with and without bias: fp32
     on packed weights (oneDNN) or weight-first, fp64 weight-first. The packed copy follows in-place
-    changes of the weights, and while autograd records the product is F.linear (gradients flow)."""
-    from dartree.loading import CpuLinear, cpu_products, onednn_packing_available
+    changes and replacements of the weights, a module pickles (the packed copy is made again on
+    use), and while autograd records the product is F.linear (gradients flow)."""
+    import io
+
+    from dartree.products import CpuLinear, cpu_products, onednn_packing_available
 
     if pack and not onednn_packing_available():
         pytest.skip("this torch build has no oneDNN")
@@ -318,7 +322,22 @@ def test_cpu_linear_matches_linear_for_any_rows_shape_and_bias(pack):
                 with torch.no_grad():  # in place, as load_state_dict or an optimizer step does
                     layer.weight.mul_(-2.0)
                     fast[0].weight.mul_(-2.0)
+            with torch.no_grad():  # a replaced weight is packed anew too
+                fast(torch.randn(2, 7, dtype=dtype))  # packs the weight in its present version
+                layer.weight.copy_(torch.randn(5, 7, dtype=dtype))
+                replacement = torch.nn.Parameter(layer.weight.detach().clone())
+                while replacement._version < fast[0].weight._version:  # the same version number as the old one
+                    replacement.add_(0)
+                fast[0].weight = replacement
+                x = torch.randn(4, 7, dtype=dtype)
+                torch.testing.assert_close(fast(x), layer(x), rtol=tol, atol=tol)
             x = torch.randn(3, 7, dtype=dtype)
             fast(x).sum().backward()
             layer(x).sum().backward()
             torch.testing.assert_close(fast[0].weight.grad, layer.weight.grad, rtol=tol, atol=tol)
+            buffer = io.BytesIO()
+            torch.save(fast, buffer)
+            buffer.seek(0)
+            with torch.no_grad():
+                torch.testing.assert_close(torch.load(buffer, weights_only=False)(x), layer(x), rtol=tol, atol=tol)
+

@@ -1,0 +1,107 @@
+"""Products for inference on a CPU: fp32 ``nn.Linear`` on oneDNN-packed weights (``CpuLinear``),
+and weight-first products over a few rows where oneDNN is not there.
+
+Loading (``loading.load_target``, ``pipeline.load``) turns a target's and a drafter's Linears into
+``CpuLinear``. (The correction heads' own products, over a few cache-resident rows, measured the
+same packed or not: a dartree build 0.74 / 1.08 / 2.60 ms at B = 8 / 16 / 64 either way.)
+Measurements are in the docstrings and in docs/results/fast-on-this-machine.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FEW_ROWS = 6  # at most this many rows: the weight-first product (without oneDNN)
+PADDED_ROWS = {1: 2, 3: 4}  # row counts whose weight-first product runs faster padded to more columns
+ONEDNN_ROWS_HINT = 4  # the row count oneDNN lays packed weights out for (any count works)
+PACKED_SHARE_OF_MEMORY = 0.25  # pack weights only while the packed copy takes at most this share of RAM
+
+
+@functools.lru_cache(maxsize=1)
+def onednn_packing_available() -> bool:
+    """Whether this torch build can run fp32 products on oneDNN-packed weights (x86 and ARM wheels)."""
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+class CpuLinear(nn.Linear):
+    """``nn.Linear`` for inference on a CPU in fp32/fp64: the products that speculation needs fast.
+
+    torch hands fp32 products to MKL, which on AMD CPUs runs them far below what the memory allows:
+    one row of the SmolLM2-135M layers (30 x 7 matrices, one thread, Zen 5) took 25.4 ms, 17 rows
+    63.8 ms. oneDNN on weights packed once for it takes 13.8 ms and 26.3 ms (x1.8 and x2.4; the
+    output layer 6.8 -> 2.8 ms for one row), and with two threads it scales where MKL did not
+    (9.4 ms against 25.5 for one row). So fp32 products run
+    on packed weights (a second copy of the weights, made on the first product and made again when
+    they change in place); the dense ``weight`` stays the parameter (state
+    dict, tied embedding, training). While autograd records, or in other dtypes, the product is ``F.linear``.
+
+    Without oneDNN (or in fp64, which it lacks) products over up to ``FEW_ROWS`` rows run
+    weight-first, ``W @ x.T``: MKL computes ``F.linear`` over 2-5 rows as one pass over the weights
+    per row, ``W @ x.T`` reads them once (Zen 4, whole forward: 2 rows 64.8 -> 48.7 ms, 4 rows
+    81.7 -> 67.2). One row runs as two and three as four, rows repeated and dropped after: MKL's
+    one- and three-column products are slower than its two- and four-column ones (Zen 5, the
+    layers over 3 rows: 25.4 -> 22.3 ms). All paths give ``F.linear``'s values up to the order of
+    the sums."""
+
+    pack_weights = False  # set per module by ``cpu_products``
+    _packed: tuple[tuple, torch.Tensor] | None = None  # (which weight, in which version; its packed copy)
+
+    def _packed_weight(self) -> torch.Tensor:
+        """The oneDNN-packed copy of the weight, packed again when the weight changes in place or
+        is replaced."""
+        weight = self.weight
+        key = (id(weight), weight.data_ptr(), weight._version)
+        if self._packed is None or self._packed[0] != key:
+            with torch.no_grad():
+                self._packed = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ONEDNN_ROWS_HINT))
+        return self._packed[1]
+
+    def __getstate__(self):
+        state = super().__getstate__().copy()
+        state.pop("_packed", None)  # an opaque oneDNN tensor cannot be pickled; it is made again on use
+        return state
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        recording = torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)
+        if recording or x.device.type != "cpu" or x.dtype != weight.dtype:
+            return F.linear(x, weight, self.bias)
+        if self.pack_weights and x.dtype == torch.float32:
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight(), self.bias, "none", [], "")
+        rows = x.numel() // x.shape[-1]
+        if rows > FEW_ROWS or rows == 0 or x.dtype not in (torch.float32, torch.float64):
+            return F.linear(x, weight, self.bias)
+        flat = x.reshape(rows, x.shape[-1])
+        if rows in PADDED_ROWS:
+            flat = torch.cat([flat, flat[: PADDED_ROWS[rows] - rows]])
+        out = torch.mm(weight, flat.t()).t()[:rows].contiguous()
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _physical_memory() -> int:
+    import os
+
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def cpu_products(model: torch.nn.Module, pack: bool | None = None) -> None:
+    """Make every plain ``nn.Linear`` of ``model`` a ``CpuLinear`` (same weights, same module tree,
+    same state dict). ``pack``: run fp32 products on oneDNN-packed weights; by default when oneDNN
+    is there and the packed copy fits in ``PACKED_SHARE_OF_MEMORY`` of this machine's memory."""
+    linears = [m for m in model.modules() if type(m) is nn.Linear or type(m) is CpuLinear]
+    if pack is None:
+        packed_bytes = sum(m.weight.numel() * 4 for m in linears)
+        pack = onednn_packing_available() and packed_bytes <= PACKED_SHARE_OF_MEMORY * _physical_memory()
+    for module in linears:
+        module.__class__ = CpuLinear
+        module.pack_weights = bool(pack) and onednn_packing_available()
