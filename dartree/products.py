@@ -23,9 +23,21 @@ PACKED_SHARE_OF_MEMORY = 0.25  # pack weights only while the packed copy takes a
 
 @functools.lru_cache(maxsize=1)
 def onednn_packing_available() -> bool:
-    """Whether this torch build can run fp32 products on oneDNN-packed weights (x86 and ARM wheels)."""
-    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    """Whether this torch build runs fp32 products on oneDNN-packed weights, checked by doing one
+    (the ops are torch internals that inductor uses; a build or platform without them, or where
+    they fail, keeps the weight-first products)."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    gen = torch.Generator().manual_seed(0)
+    weight, x, bias = torch.randn(5, 8, generator=gen), torch.randn(3, 8, generator=gen), torch.randn(5, generator=gen)
+    try:
+        with torch.no_grad():
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_ROWS_HINT)
+            out = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    except (RuntimeError, NotImplementedError):
+        return False
+    return bool(torch.allclose(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5))
 
 
 class CpuLinear(nn.Linear):
@@ -101,7 +113,8 @@ def cpu_products(model: torch.nn.Module, pack: bool | None = None) -> None:
     linears = [m for m in model.modules() if type(m) is nn.Linear or type(m) is CpuLinear]
     if pack is None:
         packed_bytes = sum(m.weight.numel() * 4 for m in linears)
-        pack = onednn_packing_available() and packed_bytes <= PACKED_SHARE_OF_MEMORY * _physical_memory()
+        memory = _physical_memory()  # 0 where it cannot be read: pack (most machines have the room)
+        pack = onednn_packing_available() and (memory == 0 or packed_bytes <= PACKED_SHARE_OF_MEMORY * memory)
     for module in linears:
         module.__class__ = CpuLinear
         module.pack_weights = bool(pack) and onednn_packing_available()

@@ -341,3 +341,45 @@ def test_cpu_linear_matches_linear_for_any_rows_shape_and_bias(pack):
             with torch.no_grad():
                 torch.testing.assert_close(torch.load(buffer, weights_only=False)(x), layer(x), rtol=tol, atol=tol)
 
+
+
+def test_without_working_onednn_packing_linears_stay_weight_first(monkeypatch):
+    """Where the packed product is missing or fails (another platform or torch build), loading
+    keeps the weight-first products: CpuLinears that do not pack and still equal F.linear."""
+    import types
+
+    import dartree.products as products
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no oneDNN here")
+
+    fake_ops = types.SimpleNamespace(_reorder_linear_weight=broken, _linear_pointwise=broken)
+    monkeypatch.setattr(products.torch.ops, "mkldnn", fake_ops)
+    products.onednn_packing_available.cache_clear()
+    try:
+        assert not products.onednn_packing_available()
+        model = torch.nn.Sequential(torch.nn.Linear(6, 4))
+        want = model(torch.ones(3, 6)).detach()
+        products.cpu_products(model)
+        assert type(model[0]) is products.CpuLinear and not model[0].pack_weights
+        with torch.no_grad():
+            torch.testing.assert_close(model(torch.ones(3, 6)), want)
+    finally:
+        monkeypatch.undo()
+        products.onednn_packing_available.cache_clear()
+
+
+def test_weights_are_packed_only_while_the_copy_fits_in_memory(monkeypatch):
+    """The packed copy doubles a model's weights: cpu_products packs only while that copy takes at
+    most PACKED_SHARE_OF_MEMORY of the machine's memory."""
+    import dartree.products as products
+
+    if not products.onednn_packing_available():
+        pytest.skip("this torch build has no oneDNN")
+    model = torch.nn.Sequential(torch.nn.Linear(100, 100))  # 40 kB of fp32 weights
+    monkeypatch.setattr(products, "_physical_memory", lambda: 100_000)  # a quarter: 25 kB
+    products.cpu_products(model)
+    assert not model[0].pack_weights
+    monkeypatch.setattr(products, "_physical_memory", lambda: 1_000_000)
+    products.cpu_products(model)
+    assert model[0].pack_weights
