@@ -86,9 +86,10 @@ class AdaptiveBudget:
         top-size list), so a smaller build changes only which b this round may choose, never the
         tree of a given b. Nodes ranked below any b the policy would pick are wasted work: the
         build is limited to ``build_headroom`` times the largest b chosen in the last
-        ``recent_rounds`` (at least ``min_build``); a round that chooses the limit doubles it for
-        the next, and with no recent choice (at the start, after plain steps) it is ``largest``."""
-        recent = [b for b in self.history[-self.recent_rounds:] if b > 0]
+        ``recent_rounds`` drafted rounds (at least ``min_build``; plain steps in between do not
+        count, so a probe after them builds what the last drafted rounds needed); a round that
+        chooses the limit doubles it for the next. Before any drafted round it is ``largest``."""
+        recent = [b for b in self.history if b >= 0][-self.recent_rounds:]
         if not recent:
             return largest
         return min(largest, max(self.min_build, self.build_headroom * max(recent)))

@@ -54,9 +54,9 @@ def test_a_cheap_verify_takes_a_large_budget_and_an_expensive_one_a_small_one():
 
 
 def test_the_build_covers_every_prefix_the_policy_chose_lately_and_grows_when_it_binds():
-    """A round builds max_budget nodes until the policy has chosen; then twice the largest recent
-    choice (at least min_build), doubling while the choice reaches the limit, and the full size again
-    after rounds without drafting."""
+    """A round builds max_budget nodes until the policy has chosen; then twice the largest choice
+    of the recent drafted rounds (at least min_build), doubling while the choice reaches the limit;
+    plain steps in between leave it as the drafted rounds set it."""
     policy = AdaptiveBudget(synthetic_cost(10.0, 0.01), min_build=4)  # a cheap verify takes every node
     assert policy.build_size(64) == 64
     sizes = []
@@ -69,8 +69,10 @@ def test_the_build_covers_every_prefix_the_policy_chose_lately_and_grows_when_it
     tree = ranked_tree([0.9, 0.8, 0.5, 0.1, 0.05, 0.01] * 2)
     policy.cut(tree)
     assert policy.history == [3] and policy.build_size(64) == 6 and policy.build_size(5) == 5
-    policy.history += [-1] * policy.recent_rounds  # plain steps since
-    assert policy.build_size(64) == 64
+    policy.history += [-1] * 3 * policy.recent_rounds  # plain steps since
+    assert policy.build_size(64) == 6
+    policy.history += [0] * policy.recent_rounds  # drafted rounds that verified the root alone
+    assert policy.build_size(64) == 4
     grow = AdaptiveBudget(synthetic_cost(10.0, 0.01), min_build=4)
     grow.history = [4]
     assert grow.build_size(64) == 8
