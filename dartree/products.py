@@ -10,6 +10,7 @@ Measurements are in the docstrings and in docs/results/fast-on-this-machine.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -98,8 +99,6 @@ class CpuLinear(nn.Linear):
 
 
 def _physical_memory() -> int:
-    import os
-
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
