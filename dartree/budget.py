@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .costmodel import CostModel
-from .trees import DraftTree
+from .trees import DraftTree, TreeBuilder
 
 
 @dataclass
@@ -93,6 +93,11 @@ class AdaptiveBudget:
         if not recent:
             return largest
         return min(largest, max(self.min_build, self.build_headroom * max(recent)))
+
+    def propose(self, builder: TreeBuilder, draft, head) -> DraftTree:
+        """This round's tree: ``builder``'s tree built at ``build_size``, cut by ``cut``. The decoder
+        and the replay both take their rounds' trees from here, so they make the same choices."""
+        return self.cut(builder.propose(draft, head, self.build_size(builder.settings.build_budget)))
 
     def calibration(self, depths: torch.Tensor) -> torch.Tensor:
         c = torch.tensor([(self.prior + a) / (self.prior + p) for a, p in zip(self.accepted, self.predicted)],

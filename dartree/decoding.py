@@ -127,10 +127,7 @@ def decode(
             timer.lap("draft")
             if first_round:  # the first draft call also prefills the drafter: not decode time
                 decode_start = time.perf_counter()
-            if budget is not None:
-                tree = budget.cut(builder.propose(draft, head, budget.build_size(builder.settings.build_budget)))
-            else:
-                tree = builder.propose(draft, head)
+            tree = builder.propose(draft, head) if budget is None else budget.propose(builder, draft, head)
             timer.lap("tree")
         else:
             tree = DraftTree.empty(prompt_ids.device)

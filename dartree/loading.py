@@ -133,8 +133,7 @@ def load_target(directory: str | Path, dtype: torch.dtype, device) -> torch.nn.M
             raise CheckpointError(f"target weights in {directory} are corrupt or truncated: {exc}") from None
         raise
     model = model.to(device).eval()
-    if model.device.type == "cpu" and dtype in (torch.float32, torch.float64):
-        cpu_products(model)
+    cpu_products(model)  # fp32/fp64 CPU targets only
     return model
 
 

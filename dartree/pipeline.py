@@ -200,6 +200,6 @@ def load(target: str | Path | None = None, drafter: str | Path | None = None, dt
             drafter = default_drafter_dir()
     model = load_target(target, dtype, device)
     draft_model = load_drafter(drafter, dtype=dtype, device=device) if drafter is not None else None
-    if draft_model is not None and device.type == "cpu" and dtype in (torch.float32, torch.float64):
-        cpu_products(draft_model)  # as the target's (loading.CpuLinear); training loads drafters without it
+    if draft_model is not None:
+        cpu_products(draft_model)  # as the target's (fp32/fp64 CPU only); training loads drafters without it
     return Pipeline(model, draft_model, load_tokenizer(target))

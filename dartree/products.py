@@ -48,10 +48,10 @@ class CpuLinear(nn.Linear):
     one row of the SmolLM2-135M layers (30 x 7 matrices, one thread, Zen 5) took 25.4 ms, 17 rows
     63.8 ms. oneDNN on weights packed once for it takes 13.8 ms and 26.3 ms (x1.8 and x2.4; the
     output layer 6.8 -> 2.8 ms for one row), and with two threads it scales where MKL did not
-    (9.4 ms against 25.5 for one row). So fp32 products run
-    on packed weights (a second copy of the weights, made on the first product and made again when
-    they change in place); the dense ``weight`` stays the parameter (state
-    dict, tied embedding, training). While autograd records, or in other dtypes, the product is ``F.linear``.
+    (9.4 ms against 25.5 for one row). So fp32 products run on packed weights (a second copy of the
+    weights, made on the first product and made again when they change in place or are replaced);
+    the dense ``weight`` stays the parameter (state dict, tied embedding, training). While autograd
+    records, or in other dtypes, the product is ``F.linear``.
 
     Without oneDNN (or in fp64, which it lacks) products over up to ``FEW_ROWS`` rows run
     weight-first, ``W @ x.T``: MKL computes ``F.linear`` over 2-5 rows as one pass over the weights
@@ -106,9 +106,14 @@ def _physical_memory() -> int:
 
 
 def cpu_products(model: torch.nn.Module, pack: bool | None = None) -> None:
-    """Make every plain ``nn.Linear`` of ``model`` a ``CpuLinear`` (same weights, same module tree,
-    same state dict). ``pack``: run fp32 products on oneDNN-packed weights; by default when oneDNN
-    is there and the packed copy fits in ``PACKED_SHARE_OF_MEMORY`` of this machine's memory."""
+    """Make every plain ``nn.Linear`` of a float32/float64 CPU ``model`` a ``CpuLinear`` (same
+    weights, same module tree, same state dict); other models (bf16, whose products torch already
+    runs in oneDNN; GPU) are left as they are. ``pack``: run fp32 products on oneDNN-packed weights;
+    by default when oneDNN is there and the packed copy fits in ``PACKED_SHARE_OF_MEMORY`` of this
+    machine's memory."""
+    first = next(model.parameters(), None)
+    if first is None or first.device.type != "cpu" or first.dtype not in (torch.float32, torch.float64):
+        return
     linears = [m for m in model.modules() if type(m) is nn.Linear or type(m) is CpuLinear]
     if pack is None:
         packed_bytes = sum(m.weight.numel() * 4 for m in linears)

@@ -149,10 +149,7 @@ def replay(
         cached = start
         for run in drafting:
             started = time.perf_counter()
-            if run.policy is not None:  # as decoding.decode does
-                tree = run.policy.cut(run.builder.propose(draft, pipe.head, run.policy.build_size(run.builder.settings.build_budget)))
-            else:
-                tree = run.builder.propose(draft, pipe.head)
+            tree = run.builder.propose(draft, pipe.head) if run.policy is None else run.policy.propose(run.builder, draft, pipe.head)
             run.tree_seconds += time.perf_counter() - started
             _, row_depths = tree.rows(y[i])
             accepted, _ = follow_tree(tree, choices[i + row_depths])  # the target's choice at row r is y[i + depth(r) + 1]
