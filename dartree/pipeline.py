@@ -11,10 +11,11 @@ from .budget import AdaptiveBudget
 from .costmodel import CostModel, load_or_measure
 from .decoding import GenerationStats, decode
 from .drafter import DraftProposer, DrafterModel
-from .errors import require
+from .errors import DartreeError, require
 from .hardware import set_threads
 from .loading import check_pair, cpu_products, load_drafter, load_target, load_tokenizer, parse_dtype, resolve_device
 from .settings import GenerationSettings
+from .lean import LeanTarget, unsupported_reason
 from .target import TargetAdapter, check_context_length
 from .trees import available_methods
 
@@ -29,16 +30,29 @@ class GenerationResult:
         return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.to_dict()}
 
 
+def make_target_adapter(model, tapped_layers, lean: bool | str = "auto"):
+    """The lean forward for the families it implements (``lean="auto"``, the default), else the
+    Hugging Face forward; ``lean=True`` insists (a clear error where it cannot run), ``False`` refuses."""
+    if lean not in ("auto", True, False):
+        raise DartreeError(f"lean must be 'auto', True or False, got {lean!r}")
+    reason = unsupported_reason(model) if lean is not False else "lean=False"
+    if reason is None:
+        return LeanTarget(model, tapped_layers)
+    if lean is True:
+        raise DartreeError(f"lean=True, but the lean forward cannot run this target: {reason}")
+    return TargetAdapter(model, tapped_layers)
+
+
 class Pipeline:
     """A target, an optional drafter (with its correction head) and a tokenizer, ready to generate."""
 
-    def __init__(self, target_model, drafter: DrafterModel | None = None, tokenizer=None):
+    def __init__(self, target_model, drafter: DrafterModel | None = None, tokenizer=None, lean: bool | str = "auto"):
         self.model = target_model
         self.drafter = drafter
         self.tokenizer = tokenizer
         if drafter is not None:
             check_pair(target_model, drafter)
-        self.target = TargetAdapter(target_model, drafter.config.target_layer_ids if drafter else ())
+        self.target = make_target_adapter(target_model, drafter.config.target_layer_ids if drafter else (), lean)
         self.proposer = None
         self.head = None
         self._cost_model: CostModel | None = None
@@ -181,13 +195,15 @@ class Pipeline:
 
 
 def load(target: str | Path | None = None, drafter: str | Path | None = None, dtype="auto", device="cpu",
-         threads: int | None = None) -> Pipeline:
+         threads: int | None = None, lean: bool | str = "auto") -> Pipeline:
     """Load a target (any HF causal LM directory) and a DFlash-format drafter.
 
     With no arguments: the bundled default model (SmolLM2-135M-Instruct) with the drafter shipped
     in this repository, fully offline. ``threads``: CPU threads for torch (default: the physical
     cores); it sets torch's process-wide thread count. ``dtype="auto"``: float32 on a CPU (exact),
-    bfloat16 on a GPU.
+    bfloat16 on a GPU. ``lean``: run the target on the lean forward (``lean.py``: Llama/Qwen3 on a
+    CPU in float32/float64, row-invariant, so every method is token-exact by construction); "auto"
+    (default) wherever it can run, True to insist, False for the Hugging Face forward.
     """
     device = resolve_device(device)
     dtype = parse_dtype(dtype, device)
@@ -202,4 +218,4 @@ def load(target: str | Path | None = None, drafter: str | Path | None = None, dt
     draft_model = load_drafter(drafter, dtype=dtype, device=device) if drafter is not None else None
     if draft_model is not None:
         cpu_products(draft_model)  # as the target's (fp32/fp64 CPU only); training loads drafters without it
-    return Pipeline(model, draft_model, load_tokenizer(target))
+    return Pipeline(model, draft_model, load_tokenizer(target), lean=lean)

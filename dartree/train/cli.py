@@ -22,6 +22,9 @@ def add_train_parser(sub) -> None:
     data.add_argument("--target", help="target directory (default: bundled SmolLM2-135M-Instruct)")
     data.add_argument("--prompts", default="../shared/prompts", help="training prompts folder (default ../shared/prompts)")
     data.add_argument("--out", default="runs/data", help="shard folder (default runs/data)")
+    data.add_argument("--prompt-set", default="original", choices=("original", "expanded"),
+                      help="original: GSM8K/Alpaca/Dolly/MBPP (what the shipped drafter saw); expanded: the 20 permissively "
+                           "licensed JSONL files of every category, less a held-out split of each (default original)")
     data.add_argument("--num-prompts", type=int, default=None,
                       help="generate for the first N prompts of the fixed shuffle (default: all of them); a larger N later extends the data")
     data.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
@@ -59,5 +62,5 @@ def _run_data(args) -> int:
     tokenizer = load_tokenizer(target)
     generate_data(model, tokenizer, args.prompts, args.out, args.num_prompts, args.batch_size,
                   args.max_new_tokens, args.sample_fraction, args.seed, args.max_minutes,
-                  args.start_shard)
+                  args.start_shard, args.prompt_set)
     return 0

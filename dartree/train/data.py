@@ -54,6 +54,63 @@ def training_prompts(prompts_dir: str | Path, seed: int = 0) -> list[str]:
     return out
 
 
+# How many prompts of each file of the expanded set are held out (never trained on, evaluated by category).
+HELD_OUT_PER_FILE = 40
+PROMPT_SETS = ("original", "expanded")
+
+
+@dataclass(frozen=True)
+class TrainingPrompt:
+    text: str
+    source: str    # the file it came from (its stem)
+    category: str  # the label SOURCES.md gives
+
+
+def expanded_prompt_files(prompts_dir: str | Path) -> list[Path]:
+    """The expanded set's files: every JSONL in the folder whose rows carry ``source``, ``category``
+    and ``prompt`` (the older gsm8k/mbpp files do not, and the CC BY-NC Alpaca file is JSON)."""
+    d = Path(prompts_dir)
+    if not d.is_dir():
+        raise DartreeError(f"prompts directory {str(d)!r} does not exist (expected ../shared/prompts)")
+    files = []
+    for f in sorted(d.glob("*.jsonl")):
+        with open(f) as fh:
+            first = json.loads(fh.readline() or "{}")
+        if {"source", "category", "prompt"} <= first.keys():
+            files.append(f)
+    if not files:
+        raise DartreeError(f"no expanded prompt files (JSONL rows with source/category/prompt) in {str(d)!r}")
+    return files
+
+
+def expanded_prompts(prompts_dir: str | Path, seed: int = 0, split: str = "train") -> list[TrainingPrompt]:
+    """The expanded prompt set, ``split`` "train" (shuffled deterministically) or "held_out" (the
+    first ``HELD_OUT_PER_FILE`` of each file's own fixed shuffle, in file order). Math problems get
+    the evaluation's math suffix, as the math benchmarks are asked that way."""
+    if split not in ("train", "held_out"):
+        raise DartreeError(f"split must be 'train' or 'held_out', got {split!r}")
+    out: list[TrainingPrompt] = []
+    for f in expanded_prompt_files(prompts_dir):
+        rows = [json.loads(line) for line in open(f) if line.strip()]
+        random.Random(f"{f.stem}:{seed}").shuffle(rows)
+        rows = rows[:HELD_OUT_PER_FILE] if split == "held_out" else rows[HELD_OUT_PER_FILE:]
+        for r in rows:
+            text = math_prompt(r["prompt"]) if r["category"] == "math" else r["prompt"]
+            out.append(TrainingPrompt(text, f.stem, r["category"]))
+    if split == "train":
+        random.Random(seed).shuffle(out)
+    return out
+
+
+def prompt_set(name: str, prompts_dir: str | Path, seed: int = 0) -> list[TrainingPrompt]:
+    """The training prompts of set ``name`` (one of ``PROMPT_SETS``)."""
+    if name == "original":
+        return [TrainingPrompt(t, "original", "mixed") for t in training_prompts(prompts_dir, seed)]
+    if name == "expanded":
+        return expanded_prompts(prompts_dir, seed, "train")
+    raise DartreeError(f"unknown prompt set {name!r}; expected one of {', '.join(PROMPT_SETS)}")
+
+
 def reference_token_counts(prompts_dir: str | Path, tokenizer, vocab_size: int) -> torch.Tensor:
     """[vocab_size] token counts of the human-written training text (questions, instructions and
     reference answers of ../shared/prompts, MBPP train ids only): a prior that ranks the tokens the
@@ -85,6 +142,7 @@ def reference_token_counts(prompts_dir: str | Path, tokenizer, vocab_size: int) 
 class Sequence:
     tokens: torch.Tensor  # [L] prompt + response
     prompt_len: int
+    source: str = ""      # where the prompt came from ("" in shards written before sources were kept)
 
 
 @torch.no_grad()
@@ -209,17 +267,28 @@ def save_shard(path: Path, seqs: list[Sequence], meta: dict) -> None:
         "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
         "prompt_lens": torch.tensor([s.prompt_len for s in seqs], dtype=torch.int32),
     }
+    names = sorted({s.source for s in seqs})
+    if names != [""]:  # the source of each sequence: an index into the metadata's list of names
+        tensors["source_ids"] = torch.tensor([names.index(s.source) for s in seqs], dtype=torch.int16)
+        meta = {**meta, "sources": json.dumps(names)}
     tmp = path.with_suffix(f".{os.getpid()}.partial")  # two processes on one shard never share a temporary file
     save_file(tensors, str(tmp), metadata={k: str(v) for k, v in meta.items()})
     tmp.rename(path)
 
 
 def load_shard(path: Path) -> list[Sequence]:
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     t = load_file(str(path))
     offsets = t["offsets"].tolist()
-    return [Sequence(t["tokens"][a:b].long(), int(n)) for a, b, n in zip(offsets, offsets[1:], t["prompt_lens"].tolist())]
+    sources = [""] * (len(offsets) - 1)
+    if "source_ids" in t:
+        with safe_open(str(path), "pt") as f:
+            names = json.loads(f.metadata()["sources"])
+        sources = [names[i] for i in t["source_ids"].tolist()]
+    return [Sequence(t["tokens"][a:b].long(), int(n), src)
+            for a, b, n, src in zip(offsets, offsets[1:], t["prompt_lens"].tolist(), sources)]
 
 
 def shard_path(data_dir: str | Path, k: int) -> Path:
@@ -240,23 +309,25 @@ def load_shards(files: list[Path], min_response: int = 2) -> list[Sequence]:
     return [s for f in files for s in load_shard(f) if s.tokens.numel() - s.prompt_len >= min_response]
 
 
+def _encode_chat(tokenizer, text: str) -> list[int]:
+    e = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+    return list(e["input_ids"] if hasattr(e, "keys") else e)
+
+
 def generate_data(model, tokenizer, prompts_dir, out_dir, num_prompts: int | None = None, batch_size: int = 48,
                   max_new_tokens: int = 256, sample_fraction: float = 0.25, seed: int = 0, max_minutes: float | None = None,
-                  start_shard: int = 0) -> None:
+                  start_shard: int = 0, prompt_set_name: str = "original") -> None:
     """Write shards of target-written responses until ``num_prompts`` (default: all) are covered (resumable).
 
     Missing shards are written in order from ``start_shard`` (wrapping around), and a shard another
     process wrote meanwhile is skipped, so two processes started at different shards share the work."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    texts = training_prompts(prompts_dir, seed)
+    prompts = prompt_set(prompt_set_name, prompts_dir, seed)
     if num_prompts is not None:
-        texts = texts[:num_prompts]
-    encoded = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True) for t in texts]
-    encoded = [e["input_ids"] if hasattr(e, "keys") else e for e in encoded]
-    encoded = [e[-512:] for e in encoded]  # keep prompts short enough for a CPU
+        prompts = prompts[:num_prompts]
+    shards = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
     stop = {tokenizer.eos_token_id}
-    shards = [encoded[i:i + batch_size] for i in range(0, len(encoded), batch_size)]
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     t0 = time.perf_counter()
     if not 0 <= start_shard < len(shards):
@@ -273,9 +344,13 @@ def generate_data(model, tokenizer, prompts_dir, out_dir, num_prompts: int | Non
             continue
         temperature = 1.0 if random.Random(seed * 100_003 + k).random() < sample_fraction else 0.0
         gen = torch.Generator().manual_seed(seed * 1_000_003 + k)
-        batch = sorted(shards[k], key=len)
+        # encoded shard by shard: the expanded set's 70k chat templates would take minutes up front
+        encoded = [_encode_chat(tokenizer, p.text)[-512:] for p in shards[k]]  # keep prompts short enough for a CPU
+        order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
         ts = time.perf_counter()
-        seqs = generate_batch(model, batch, max_new_tokens, temperature, stop, tokenizer.eos_token_id, gen)
+        seqs = generate_batch(model, [encoded[i] for i in order], max_new_tokens, temperature, stop, tokenizer.eos_token_id, gen)
+        for s, i in zip(seqs, order):
+            s.source = f"{shards[k][i].source}/{shards[k][i].category}"
         new = sum(s.tokens.numel() - s.prompt_len for s in seqs)
         new_total += new
         save_shard(shard_path(out_dir, k), seqs,

@@ -1,0 +1,359 @@
+// Kernels of the lean forward (dartree/lean.py): products on packed weights, RMSNorm, RoPE with the
+// KV-cache write, attention over a slot's cache with a per-row visibility mask, and SwiGLU.
+//
+// Every kernel gives a row the same bits whatever the row count and whatever other rows share the
+// call: each output element is reduced in one fixed order that depends only on its own row (a
+// product accumulates k = 0..K-1 with one fused multiply-add per step; attention walks a row's
+// visible keys in cache order), threads split work by output columns or by rows, never inside
+// one reduction, and the vector paths use only correctly rounded operations (fma, add, mul, div,
+// sqrt, round), so a lane computes what the scalar code computes. That is what makes a tree
+// verification give each row exactly the logits a one-token step gives, and a request's rows the
+// same logits whatever other requests share the forward.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int BLOCK = 16;  // output columns per packed block: packed[b][k][j] = W[b*16 + j][k]
+
+// ---------------------------------------------------------------- 16 lanes of T, fma-accumulated
+template <typename T>
+struct Lanes {
+  T v[BLOCK];
+  static inline Lanes zero() { Lanes a; for (int j = 0; j < BLOCK; ++j) a.v[j] = T(0); return a; }
+  static inline Lanes load(const T* p) { Lanes a; for (int j = 0; j < BLOCK; ++j) a.v[j] = p[j]; return a; }
+  inline void fma(const Lanes& w, T x) { for (int j = 0; j < BLOCK; ++j) v[j] = std::fma(w.v[j], x, v[j]); }
+  inline void store(T* p) const { for (int j = 0; j < BLOCK; ++j) p[j] = v[j]; }
+};
+
+#if defined(__AVX512F__)
+template <>
+struct Lanes<float> {
+  __m512 v;
+  static inline Lanes zero() { return {_mm512_setzero_ps()}; }
+  static inline Lanes load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  inline void fma(const Lanes& w, float x) { v = _mm512_fmadd_ps(w.v, _mm512_set1_ps(x), v); }
+  inline void store(float* p) const { _mm512_storeu_ps(p, v); }
+};
+#elif defined(__AVX2__) && defined(__FMA__)
+template <>
+struct Lanes<float> {
+  __m256 lo, hi;
+  static inline Lanes zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  static inline Lanes load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+  inline void fma(const Lanes& w, float x) {
+    __m256 b = _mm256_set1_ps(x);
+    lo = _mm256_fmadd_ps(w.lo, b, lo);
+    hi = _mm256_fmadd_ps(w.hi, b, hi);
+  }
+  inline void store(float* p) const { _mm256_storeu_ps(p, lo); _mm256_storeu_ps(p + 8, hi); }
+};
+#endif
+
+// R rows x NB blocks of outputs: acc[r][b] accumulates x[r, k] * W[col, k] for k = 0..K-1 in order.
+template <typename T, int R, int NB>
+inline void product_tile(const T* x, int64_t ldx, const T* wp, int64_t K, T* y, int64_t ldy, int64_t col0,
+                         int64_t N, const T* res, int64_t ldr) {
+  Lanes<T> acc[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < NB; ++b) acc[r][b] = Lanes<T>::zero();
+  for (int64_t k = 0; k < K; ++k) {
+    Lanes<T> w[NB];
+    for (int b = 0; b < NB; ++b) w[b] = Lanes<T>::load(wp + ((int64_t)b * K + k) * BLOCK);
+    for (int r = 0; r < R; ++r) {
+      const T xv = x[r * ldx + k];
+      for (int b = 0; b < NB; ++b) acc[r][b].fma(w[b], xv);
+    }
+  }
+  alignas(64) T out[BLOCK];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < NB; ++b) {
+      acc[r][b].store(out);
+      const int64_t c = col0 + (int64_t)b * BLOCK;
+      const int64_t n = std::min<int64_t>(BLOCK, N - c);
+      T* dst = y + r * ldy + c;
+      if (res != nullptr) {
+        const T* src = res + r * ldr + c;
+        for (int64_t j = 0; j < n; ++j) dst[j] = src[j] + out[j];  // the residual added after the whole sum
+      } else {
+        for (int64_t j = 0; j < n; ++j) dst[j] = out[j];
+      }
+    }
+}
+
+constexpr int ROWS_PER_TILE = 4;
+constexpr int BLOCKS_PER_TILE = 4;
+
+template <typename T, int R>
+inline void product_rows(const T* x, int64_t ldx, const T* wp, int64_t K, T* y, int64_t ldy, int64_t b0, int64_t nb,
+                         int64_t N, const T* res, int64_t ldr) {
+  int64_t b = b0;
+  for (; b + BLOCKS_PER_TILE <= b0 + nb; b += BLOCKS_PER_TILE)
+    product_tile<T, R, BLOCKS_PER_TILE>(x, ldx, wp + b * K * BLOCK, K, y, ldy, b * BLOCK, N, res, ldr);
+  for (; b < b0 + nb; ++b) product_tile<T, R, 1>(x, ldx, wp + b * K * BLOCK, K, y, ldy, b * BLOCK, N, res, ldr);
+}
+
+template <typename T>
+void product_impl(const T* x, int64_t M, int64_t K, const T* wp, int64_t N, T* y, const T* res) {
+  const int64_t blocks = (N + BLOCK - 1) / BLOCK;
+  const int64_t groups = (blocks + BLOCKS_PER_TILE - 1) / BLOCKS_PER_TILE;
+  // Threads split the output columns; each keeps its slice of the weights hot while it walks the row
+  // tiles, so the weights are read from memory once per call whatever the row count.
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    const int64_t b0 = g0 * BLOCKS_PER_TILE, nb = std::min(blocks, g1 * BLOCKS_PER_TILE) - b0;
+    int64_t r = 0;
+    for (; r + ROWS_PER_TILE <= M; r += ROWS_PER_TILE)
+      product_rows<T, ROWS_PER_TILE>(x + r * K, K, wp, K, y + r * N, N, b0, nb, N, res ? res + r * N : nullptr, N);
+    const T* xr = x + r * K;
+    T* yr = y + r * N;
+    const T* rr = res ? res + r * N : nullptr;
+    switch (M - r) {
+      case 3: product_rows<T, 3>(xr, K, wp, K, yr, N, b0, nb, N, rr, N); break;
+      case 2: product_rows<T, 2>(xr, K, wp, K, yr, N, b0, nb, N, rr, N); break;
+      case 1: product_rows<T, 1>(xr, K, wp, K, yr, N, b0, nb, N, rr, N); break;
+      default: break;
+    }
+  });
+}
+
+// ---------------------------------------------------------------- reductions in a fixed order
+template <typename T>
+inline T dot_fixed(const T* a, const T* b, int64_t n) {
+  T lanes[BLOCK];
+  for (int j = 0; j < BLOCK; ++j) lanes[j] = T(0);
+  int64_t i = 0;
+  for (; i + BLOCK <= n; i += BLOCK)
+    for (int j = 0; j < BLOCK; ++j) lanes[j] = std::fma(a[i + j], b[i + j], lanes[j]);
+  for (int j = 0; i + j < n; ++j) lanes[j] = std::fma(a[i + j], b[i + j], lanes[j]);
+  for (int w = BLOCK / 2; w > 0; w /= 2)
+    for (int j = 0; j < w; ++j) lanes[j] = lanes[j] + lanes[j + w];
+  return lanes[0];
+}
+
+template <typename T>
+inline void rmsnorm_row(const T* x, const T* w, T* y, int64_t H, double eps) {
+  const T inv = T(1) / std::sqrt(dot_fixed(x, x, H) / T(H) + T(eps));
+  for (int64_t i = 0; i < H; ++i) y[i] = w[i] * (x[i] * inv);
+}
+
+template <typename T>
+inline T pow2(int64_t n);
+template <>
+inline float pow2<float>(int64_t n) {
+  const uint32_t bits = (uint32_t)(n + 127) << 23;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+template <>
+inline double pow2<double>(int64_t n) {
+  const uint64_t bits = (uint64_t)(n + 1023) << 52;
+  double f;
+  std::memcpy(&f, &bits, 8);
+  return f;
+}
+
+// exp(x) for x <= 0 from correctly rounded operations only (Cody-Waite reduction, degree-11 Taylor
+// polynomial in Horner form), so that a vectorised loop and its scalar tail agree bit for bit.
+// Relative error ~1e-7 in float, ~1e-13 in double: well inside the fp32 summation tolerance.
+template <typename T>
+inline T exp_neg(T x) {
+  const T lo_limit = sizeof(T) == 4 ? T(-87.0) : T(-708.0);
+  x = x < lo_limit ? lo_limit : x;
+  const T n = std::nearbyint(x * T(1.4426950408889634));
+  const T r = std::fma(n, T(-1.4286068203094172e-06), std::fma(n, T(-0.693145751953125), x));
+  T p = T(1.0 / 39916800.0);
+  const T c[] = {T(1.0 / 3628800.0), T(1.0 / 362880.0), T(1.0 / 40320.0), T(1.0 / 5040.0), T(1.0 / 720.0),
+                 T(1.0 / 120.0), T(1.0 / 24.0), T(1.0 / 6.0), T(0.5), T(1.0), T(1.0)};
+  for (T ci : c) p = std::fma(p, r, ci);
+  return p * pow2<T>((int64_t)n);  // an exact scaling: n >= -126 (float) / -1022 (double), 2^n is normal
+}
+
+template <typename T>
+inline T silu(T g) {
+  // g * sigmoid(g), with exp only of non-positive arguments
+  if (g >= T(0)) return g / (T(1) + exp_neg(-g));
+  const T e = exp_neg(g);
+  return g * e / (T(1) + e);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- entry points
+torch::Tensor pack_weight(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2, "pack_weight: a [N, K] weight");
+  const int64_t N = w.size(0), K = w.size(1), blocks = (N + BLOCK - 1) / BLOCK;
+  auto padded = torch::zeros({blocks * BLOCK, K}, w.options());
+  padded.narrow(0, 0, N).copy_(w);
+  return padded.view({blocks, BLOCK, K}).transpose(1, 2).contiguous();  // [blocks, K, 16]
+}
+
+// y[M, N] = x[M, K] @ W.T (+ residual), W packed by pack_weight.
+torch::Tensor product(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> residual) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && packed.is_contiguous() && x.scalar_type() == packed.scalar_type(),
+              "product: contiguous x [M, K] and packed weight of one dtype");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(packed.size(1) == K, "product: K mismatch");
+  auto y = torch::empty({M, N}, x.options());
+  const bool has_res = residual.has_value() && residual->defined();
+  if (has_res) TORCH_CHECK(residual->is_contiguous() && residual->size(0) == M && residual->size(1) == N, "product: residual shape");
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "product", [&] {
+    product_impl<scalar_t>(x.data_ptr<scalar_t>(), M, K, packed.data_ptr<scalar_t>(), N, y.data_ptr<scalar_t>(),
+                           has_res ? residual->data_ptr<scalar_t>() : nullptr);
+  });
+  return y;
+}
+
+torch::Tensor rmsnorm(torch::Tensor x, torch::Tensor w, double eps) {
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "rmsnorm: contiguous inputs");
+  const int64_t H = x.size(-1), M = x.numel() / H;
+  auto y = torch::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "rmsnorm", [&] {
+    const scalar_t *xp = x.data_ptr<scalar_t>(), *wp = w.data_ptr<scalar_t>();
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    at::parallel_for(0, M, 16, [&](int64_t a, int64_t b) {
+      for (int64_t r = a; r < b; ++r) rmsnorm_row(xp + r * H, wp, yp + r * H, H, eps);
+    });
+  });
+  return y;
+}
+
+// qkv [M, (nh + 2 nkv) hd] -> q [M, nh hd] rotated; rotated k and v written to cache[slot, :, pos].
+// cos/sin [M, hd] (Hugging Face's tables at each row's position); q_norm/k_norm [hd] (Qwen3) or empty.
+torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor q_norm, torch::Tensor k_norm,
+                         double eps, int64_t nh, int64_t nkv, torch::Tensor kcache, torch::Tensor vcache, torch::Tensor slots,
+                         torch::Tensor cache_pos) {
+  const int64_t M = qkv.size(0), hd = cos.size(1), T = kcache.size(2);
+  TORCH_CHECK(qkv.is_contiguous() && cos.is_contiguous() && sin.is_contiguous() && kcache.is_contiguous() && vcache.is_contiguous(),
+              "rope_store: contiguous inputs");
+  TORCH_CHECK(qkv.size(1) == (nh + 2 * nkv) * hd && hd % 2 == 0, "rope_store: qkv width");
+  auto q = torch::empty({M, nh * hd}, qkv.options());
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t* pp = cache_pos.data_ptr<int64_t>();
+  for (int64_t r = 0; r < M; ++r) TORCH_CHECK(sp[r] >= 0 && sp[r] < kcache.size(0) && pp[r] >= 0 && pp[r] < T, "rope_store: slot/position out of the cache");
+  const bool qk_norm = q_norm.numel() > 0;
+  AT_DISPATCH_FLOATING_TYPES(qkv.scalar_type(), "rope_store", [&] {
+    const scalar_t *src = qkv.data_ptr<scalar_t>(), *cp = cos.data_ptr<scalar_t>(), *snp = sin.data_ptr<scalar_t>();
+    const scalar_t* qn = qk_norm ? q_norm.data_ptr<scalar_t>() : nullptr;
+    const scalar_t* kn = qk_norm ? k_norm.data_ptr<scalar_t>() : nullptr;
+    scalar_t *qp = q.data_ptr<scalar_t>(), *kc = kcache.data_ptr<scalar_t>(), *vc = vcache.data_ptr<scalar_t>();
+    const int64_t width = (nh + 2 * nkv) * hd, half = hd / 2;
+    at::parallel_for(0, M * (nh + nkv), 8, [&](int64_t a, int64_t b) {
+      std::vector<scalar_t> normed(hd);
+      for (int64_t t = a; t < b; ++t) {
+        const int64_t r = t / (nh + nkv), h = t % (nh + nkv);
+        const bool is_q = h < nh;
+        const scalar_t* in = src + r * width + h * hd;
+        const scalar_t* c = cp + r * hd;
+        const scalar_t* s = snp + r * hd;
+        if (qk_norm) {
+          rmsnorm_row(in, is_q ? qn : kn, normed.data(), hd, eps);
+          in = normed.data();
+        }
+        scalar_t* out = is_q ? qp + r * nh * hd + h * hd : kc + ((sp[r] * nkv + (h - nh)) * T + pp[r]) * hd;
+        for (int64_t i = 0; i < half; ++i) {
+          const scalar_t a0 = in[i] * c[i], a1 = in[i + half] * s[i];
+          out[i] = a0 - a1;
+          const scalar_t b0 = in[i + half] * c[i + half], b1 = in[i] * s[i + half];
+          out[i + half] = b0 + b1;
+        }
+        if (!is_q) {
+          const scalar_t* v = src + r * width + (nh + nkv) * hd + (h - nh) * hd;
+          scalar_t* vo = vc + ((sp[r] * nkv + (h - nh)) * T + pp[r]) * hd;
+          for (int64_t i = 0; i < hd; ++i) vo[i] = v[i];
+        }
+      }
+    });
+  });
+  return q;
+}
+
+// Row r (slot s, past p) attends to cache positions [0, p) of slot s and to p + j for each j with
+// visible[r, j] != 0 (its new rows: a prompt chunk's causal triangle, a tree's ancestors).
+torch::Tensor attention(torch::Tensor q, torch::Tensor kcache, torch::Tensor vcache, torch::Tensor slots, torch::Tensor past,
+                        torch::Tensor visible, int64_t nh, double scale) {
+  const int64_t M = q.size(0), nkv = kcache.size(1), T = kcache.size(2), hd = kcache.size(3), W = visible.size(1);
+  TORCH_CHECK(q.is_contiguous() && visible.is_contiguous() && visible.scalar_type() == torch::kUInt8, "attention: inputs");
+  TORCH_CHECK(nh % nkv == 0 && q.size(1) == nh * hd, "attention: head counts");
+  auto out = torch::empty_like(q);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t* pp = past.data_ptr<int64_t>();
+  const uint8_t* vis = visible.data_ptr<uint8_t>();
+  for (int64_t r = 0; r < M; ++r) TORCH_CHECK(pp[r] >= 0 && pp[r] + W <= T && sp[r] >= 0 && sp[r] < kcache.size(0), "attention: row outside the cache");
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attention", [&] {
+    const scalar_t *qp = q.data_ptr<scalar_t>(), *kc = kcache.data_ptr<scalar_t>(), *vc = vcache.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const int64_t group = nh / nkv;
+    at::parallel_for(0, M * nh, 1, [&](int64_t a, int64_t b) {
+      std::vector<scalar_t> scores;
+      std::vector<int64_t> keys;
+      std::vector<scalar_t> acc(hd);
+      for (int64_t t = a; t < b; ++t) {
+        const int64_t r = t / nh, h = t % nh, kvh = h / group;
+        keys.clear();
+        for (int64_t j = 0; j < pp[r]; ++j) keys.push_back(j);
+        for (int64_t j = 0; j < W; ++j)
+          if (vis[r * W + j]) keys.push_back(pp[r] + j);
+        const scalar_t* qrow = qp + r * nh * hd + h * hd;
+        const scalar_t* kbase = kc + (sp[r] * nkv + kvh) * T * hd;
+        const scalar_t* vbase = vc + (sp[r] * nkv + kvh) * T * hd;
+        scores.resize(keys.size());
+        scalar_t top = -std::numeric_limits<scalar_t>::infinity();
+        for (size_t i = 0; i < keys.size(); ++i) {
+          scores[i] = dot_fixed(qrow, kbase + keys[i] * hd, hd) * scalar_t(scale);
+          top = scores[i] > top ? scores[i] : top;
+        }
+        scalar_t total = 0;
+        for (size_t i = 0; i < keys.size(); ++i) {
+          scores[i] = exp_neg(scores[i] - top);
+          total += scores[i];
+        }
+        for (int64_t d = 0; d < hd; ++d) acc[d] = 0;
+        for (size_t i = 0; i < keys.size(); ++i) {
+          const scalar_t* v = vbase + keys[i] * hd;
+          const scalar_t pi = scores[i];
+          for (int64_t d = 0; d < hd; ++d) acc[d] = std::fma(pi, v[d], acc[d]);
+        }
+        scalar_t* o = op + r * nh * hd + h * hd;
+        for (int64_t d = 0; d < hd; ++d) o[d] = acc[d] / total;
+      }
+    });
+  });
+  return out;
+}
+
+// gu [M, 2I] (gate then up) -> silu(gate) * up [M, I]
+torch::Tensor swiglu(torch::Tensor gu) {
+  TORCH_CHECK(gu.is_contiguous() && gu.size(1) % 2 == 0, "swiglu: contiguous [M, 2I]");
+  const int64_t M = gu.size(0), I = gu.size(1) / 2;
+  auto y = torch::empty({M, I}, gu.options());
+  AT_DISPATCH_FLOATING_TYPES(gu.scalar_type(), "swiglu", [&] {
+    const scalar_t* g = gu.data_ptr<scalar_t>();
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    at::parallel_for(0, M * I, 2048, [&](int64_t a, int64_t b) {
+      for (int64_t t = a; t < b; ++t) {
+        const int64_t r = t / I, i = t % I;
+        yp[t] = silu(g[r * 2 * I + i]) * g[r * 2 * I + I + i];
+      }
+    });
+  });
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("pack_weight", &pack_weight, "pack a [N, K] weight into [N/16, K, 16] blocks");
+  m.def("product", &product, "x @ W.T (+ residual) on a packed weight, row-invariant", py::arg("x"), py::arg("packed"),
+        py::arg("n"), py::arg("residual") = py::none());
+  m.def("rmsnorm", &rmsnorm, "RMSNorm over the last dimension, row-invariant");
+  m.def("rope_store", &rope_store, "RoPE on q and k, k and v written to the KV cache");
+  m.def("attention", &attention, "attention over a slot's cache with per-row visibility, row-invariant");
+  m.def("swiglu", &swiglu, "silu(gate) * up");
+}

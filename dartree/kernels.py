@@ -1,0 +1,57 @@
+"""The lean forward's compiled kernels (``csrc/lean_kernels.cpp``), built once per machine.
+
+They are compiled for this CPU (``-march=native``) into the cache folder on first use (about a
+minute; ``scripts/setup.sh`` does it up front) and loaded from there afterwards. Where no compiler
+is available, ``available()`` is False and targets keep the Hugging Face forward.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import sys
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).parent / "csrc" / "lean_kernels.cpp"
+# Only correctly rounded operations are written in the source (explicit fma), so no contraction:
+# the compiler may not fuse a multiply and an add on its own in one code path and not in another.
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno"]
+
+
+def build_dir() -> Path:
+    from .default_model import cache_root
+    from .hardware import cpu_info
+
+    model, flags = cpu_info()
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), torch.__version__, " ".join(CFLAGS), model,
+                                    " ".join(sorted(flags))]).encode()).hexdigest()[:16]
+    return cache_root() / "kernels" / key
+
+
+@functools.lru_cache(maxsize=1)
+def load(verbose: bool = False):
+    """The compiled module (built first when this machine has none yet)."""
+    from torch.utils.cpp_extension import load as load_extension
+
+    out = build_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    if not any(out.glob("*.so")):
+        print(f"dartree: compiling the lean forward's kernels for this CPU into {out} (once, about a minute)",
+              file=sys.stderr)
+    return load_extension(name="dartree_lean_kernels", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                          build_directory=str(out), verbose=verbose)
+
+
+@functools.lru_cache(maxsize=1)
+def available() -> bool:
+    """Whether the kernels are built (or can be built) here."""
+    try:
+        load()
+    except Exception as exc:  # no compiler, no ninja, a failed build: the HF forward stays
+        print(f"dartree: the lean forward's kernels are unavailable here ({type(exc).__name__}: "
+              f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}); using the Hugging Face forward",
+              file=sys.stderr)
+        return False
+    return True
