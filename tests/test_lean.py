@@ -1,0 +1,181 @@
+"""The lean forward: row-invariant kernels (bitwise, 1..65 rows, any neighbours), logits equal to
+Hugging Face's within fp32 summation tolerance, and every method token-exact against lean ``ar``
+in float32 by construction."""
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import dartree
+from dartree import kernels
+from dartree.lean import KVStore, LeanTarget, LeanWeights, Rows, forward
+from dartree.loading import load_target
+from dartree.target import TargetAdapter
+from dartree.tiny import make_tiny_target
+from dartree.trees import available_methods
+
+ext = kernels.load()
+ROWS = range(1, 66)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (100, 37), (16, 5)])
+def test_product_is_row_invariant_and_correct(dtype, n, k):
+    gen = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=gen, dtype=dtype)
+    x = torch.randn(65, k, generator=gen, dtype=dtype)
+    res = torch.randn(65, n, generator=gen, dtype=dtype)
+    packed = ext.pack_weight(w)
+    full = ext.product(x, packed, n, res)
+    tol = 1e-4 * k ** 0.5 if dtype == torch.float32 else 1e-10
+    torch.testing.assert_close(full, res + x @ w.T, rtol=0, atol=tol)
+    for m in ROWS:  # any prefix of the rows, and each row alone, gives the same bits
+        assert torch.equal(ext.product(x[:m].contiguous(), packed, n, res[:m].contiguous()), full[:m])
+    for i in range(65):
+        assert torch.equal(ext.product(x[i:i + 1].contiguous(), packed, n, res[i:i + 1].contiguous()), full[i:i + 1])
+
+
+def test_norm_and_swiglu_are_row_invariant():
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(65, 576, generator=gen), torch.randn(576, generator=gen)
+    y = ext.rmsnorm(x, w, 1e-5)
+    torch.testing.assert_close(y, w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)))
+    gu = torch.randn(65, 2 * 96, generator=gen) * 6
+    s = ext.swiglu(gu)
+    torch.testing.assert_close(s, torch.nn.functional.silu(gu[:, :96]) * gu[:, 96:])
+    for i in range(65):
+        assert torch.equal(ext.rmsnorm(x[i:i + 1].contiguous(), w, 1e-5), y[i:i + 1])
+        assert torch.equal(ext.swiglu(gu[i:i + 1].contiguous()), s[i:i + 1])
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def tiny32(request, tmp_path_factory):
+    d = make_tiny_target(tmp_path_factory.mktemp(request.param), family=request.param, vocab_size=64, hidden_size=64,
+                         num_layers=3, seed=3)
+    return load_target(d, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_logits_equal_hugging_face_within_tolerance(tmp_path, dtype):
+    for family in ("llama", "qwen3"):
+        model = load_target(make_tiny_target(tmp_path / family, family=family, vocab_size=64, hidden_size=64, num_layers=3),
+                            dtype, "cpu")
+        hf, lean = TargetAdapter(model, [0, 2]), LeanTarget(model, [0, 2])
+        ids = torch.randint(64, (300,), generator=torch.Generator().manual_seed(1))  # two prefill chunks
+        a, fa = hf.prefill(ids)
+        b, fb = lean.prefill(ids)
+        # Hugging Face's RMSNorm computes in float32 even for a float64 model, so fp32 tolerance for both
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(fb, fa, rtol=1e-3, atol=1e-3)
+        tokens, depths = torch.tensor([5, 9, 11, 2]), torch.tensor([0, 1, 1, 2])
+        vis = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+        la, _ = hf.forward_tree(tokens, depths, hf.tree_mask(vis))
+        lb, _ = lean.forward_tree(tokens, depths, lean.tree_mask(vis))
+        torch.testing.assert_close(lb, la, rtol=1e-4, atol=1e-4)
+
+
+def _random_tree(draw_parents):
+    """parents (-1: the root) -> depths and the ancestor matrix of [root, nodes]."""
+    n = len(draw_parents) + 1
+    parents = [-1] + [p for p in draw_parents]
+    depths = [0] * n
+    vis = torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):
+        depths[i] = depths[parents[i]] + 1
+        vis[i] |= vis[parents[i]]
+    return torch.tensor(depths), vis, parents
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_tree_rows_equal_their_paths_bitwise(tiny32, data):
+    """Each row of one tree forward has exactly the logits of its own path decoded one token at a time."""
+    size = data.draw(st.integers(1, 64))
+    raw = [data.draw(st.integers(0, i)) for i in range(size)]  # node i+1's parent among rows 0..i
+    depths, vis, parents = _random_tree(raw)
+    tokens = torch.tensor(data.draw(st.lists(st.integers(0, 63), min_size=size + 1, max_size=size + 1)))
+    prompt = torch.tensor(data.draw(st.lists(st.integers(0, 63), min_size=1, max_size=40)))
+    target = LeanTarget(tiny32)
+    target.prefill(prompt)
+    start = target.cache_length
+    tree_logits, _ = target.forward_tree(tokens, depths, target.tree_mask(vis))
+    for row in data.draw(st.lists(st.integers(0, size), min_size=1, max_size=4, unique=True)):
+        path = [row]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        path.reverse()
+        target.compact(start, torch.zeros(0, dtype=torch.long))
+        for r in path:  # one-token steps along the path
+            step, _ = target.forward_tree(tokens[r:r + 1], torch.zeros(1, dtype=torch.long), None)
+        assert torch.equal(step[0], tree_logits[row])
+
+
+@settings(max_examples=15, deadline=None)
+@given(data=st.data())
+def test_a_request_is_unaffected_by_what_shares_its_forward(tiny32, data):
+    """Rows of several slots in one forward give each slot's rows the bits they get alone."""
+    weights = LeanWeights(tiny32)
+    slots = data.draw(st.integers(2, 4))
+    store, alone = KVStore(weights, slots=slots), KVStore(weights, slots=1)
+    rows, singles = [], []
+    for s in range(slots):
+        past = data.draw(st.integers(1, 30))
+        prompt = torch.tensor(data.draw(st.lists(st.integers(0, 63), min_size=past, max_size=past)))
+        tri = torch.ones(past, past, dtype=torch.bool).tril()
+        forward(weights, store, Rows.one_request(prompt, s, 0, torch.arange(past), tri))
+        n = data.draw(st.integers(1, 9))
+        new = torch.tensor(data.draw(st.lists(st.integers(0, 63), min_size=n, max_size=n)))
+        rows.append((s, past, new))
+    width = max(new.numel() for _, _, new in rows)
+    parts = []
+    for s, past, new in rows:
+        n = new.numel()
+        vis = torch.zeros(n, width, dtype=torch.bool)
+        vis[:, :n] = torch.ones(n, n, dtype=torch.bool).tril()
+        parts.append(Rows.one_request(new, s, past, torch.arange(n), vis))
+    batch = Rows(*(torch.cat([getattr(p, f) for p in parts]) for f in ("tokens", "slots", "positions", "cache_positions", "past", "visible")))
+    hidden, _ = forward(weights, store, batch)
+    offset = 0
+    for (s, past, new), part in zip(rows, parts):
+        n = new.numel()
+        k0 = store.k[:, s:s + 1, :, :past].clone()
+        v0 = store.v[:, s:s + 1, :, :past].clone()
+        alone.reserve(past + n)
+        alone.k[:, :, :, :past], alone.v[:, :, :, :past] = k0, v0
+        solo = Rows.one_request(new, 0, past, torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril())
+        h, _ = forward(weights, alone, solo)
+        assert torch.equal(h, hidden[offset:offset + n])
+        offset += n
+
+
+@settings(max_examples=12, deadline=None)
+@given(prompt=st.lists(st.integers(0, 7), min_size=1, max_size=12), seed=st.integers(0, 3))
+def test_every_method_reproduces_lean_ar_in_float32(model_dirs, prompt, seed):
+    """In float32 (where a non-invariant product would round tree rows differently) every method's
+    greedy text equals the lean ``ar`` text token for token."""
+    pipe = _fp32_pipeline(model_dirs)
+    assert isinstance(pipe.target, LeanTarget)
+    ref = pipe.generate(input_ids=prompt, method="ar", max_new_tokens=24, seed=seed).token_ids
+    for method in available_methods(True, True):
+        for budget in (3, 16):
+            out = pipe.generate(input_ids=prompt, method=method, max_new_tokens=24, seed=seed, budget=budget).token_ids
+            assert out == ref, (method, budget)
+
+
+_PIPES = {}
+
+
+def _fp32_pipeline(model_dirs):
+    if "fp32" not in _PIPES:
+        _PIPES["fp32"] = dartree.load(model_dirs[("qwen3", "target")], model_dirs[("qwen3", "domino")], dtype=torch.float32)
+    return _PIPES["fp32"]
+
+
+def test_lean_can_be_refused_and_insisted_on(model_dirs):
+    target, drafter = model_dirs[("llama", "target")], model_dirs[("llama", None)]
+    assert type(dartree.load(target, drafter, dtype=torch.float32, lean=False).target) is TargetAdapter
+    assert type(dartree.load(target, drafter, dtype=torch.float32, lean=True).target) is LeanTarget
+    with pytest.raises(ValueError, match="lean=True.*dtype"):
+        dartree.load(target, drafter, dtype=torch.bfloat16, lean=True)
+    with pytest.raises(ValueError, match="lean must be"):
+        dartree.load(target, drafter, dtype=torch.float32, lean="yes")
