@@ -30,7 +30,7 @@ from .errors import DartreeError
 from .hardware import describe_machine
 
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
-COST_MODEL_VERSION = 6  # bumped whenever what is timed changes, so older caches are measured again (3: bf16 attention in fp32 on CPU; 4: column-major fp32 weights; 5: few-row products weight-first; 6: fp32 products on oneDNN-packed weights)
+COST_MODEL_VERSION = 7  # bumped whenever what is timed changes, so that older caches are measured again
 
 
 @dataclass
@@ -126,6 +126,7 @@ def identity(pipe) -> dict:
                    f"-{drafter.config.projector_type}",
         "device": str(pipe.device),
         "dtype": str(pipe.target.dtype).removeprefix("torch."),
+        "forward": getattr(pipe.target, "kind", "hf"),  # lean (lean.py) or the Hugging Face forward
         "threads": torch.get_num_threads(),
         "machine": describe_machine(),
         "version": COST_MODEL_VERSION,

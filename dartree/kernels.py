@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import sys
 from pathlib import Path
 
@@ -35,6 +36,8 @@ def load(verbose: bool = False):
     """The compiled module (built first when this machine has none yet)."""
     from torch.utils.cpp_extension import load as load_extension
 
+    # torch finds ninja on PATH: the one installed beside this Python (pip's ninja) comes first
+    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     out = build_dir()
     out.mkdir(parents=True, exist_ok=True)
     if not any(out.glob("*.so")):

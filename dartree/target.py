@@ -81,6 +81,10 @@ def all_growing(cache: DynamicCache) -> bool:
 
 
 class TargetAdapter:
+    """The target adapter on the Hugging Face forward (any decoder-only causal LM)."""
+
+    kind = "hf"
+
     def __init__(self, model: nn.Module, tapped_layers: list[int] | tuple[int, ...] = ()):
         self.model = model.eval()
         self.config = model.config

