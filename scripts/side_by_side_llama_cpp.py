@@ -30,20 +30,23 @@ ROOT = Path(__file__).resolve().parent.parent
 LLAMA = ROOT / ".cache" / "llama.cpp"
 
 
-def start_server(gguf: Path, threads: int, port: int) -> subprocess.Popen:
+def start_server(gguf: Path, threads: int, port: int, extra: tuple[str, ...] = ()) -> subprocess.Popen | None:
     env = dict(os.environ, LD_LIBRARY_PATH=str(LLAMA / "bin"))
     proc = subprocess.Popen([str(LLAMA / "bin" / "llama-server"), "-m", str(gguf), "-t", str(threads), "-tb", str(threads),
-                             "-c", "4096", "-np", "1", "--port", str(port), "--host", "127.0.0.1", "-ngl", "0"],
+                             "-c", "4096", "-np", "1", "--port", str(port), "--host", "127.0.0.1", "-ngl", "0", *extra],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for _ in range(240):
+        if proc.poll() is not None:
+            return None  # it died (seen: Q4_1 weight repacking hit an illegal instruction in a KVM guest with AMX flags)
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
                 if r.status == 200:
+                    llama_generate(port, "warm up", 8)  # the first request repacks/loads lazily
                     return proc
         except OSError:
             time.sleep(0.5)
     proc.kill()
-    raise RuntimeError(f"llama-server on {gguf} did not come up")
+    return None
 
 
 def llama_generate(port: int, prompt: str, max_new_tokens: int) -> dict:
@@ -79,6 +82,7 @@ def main() -> None:
     if not (LLAMA / "bin" / "llama-server").is_file() or not f32.is_file():
         raise SystemExit("llama.cpp is not built here; run `bash scripts/build_llama_cpp.sh` first (~8 minutes)")
     prompts = [(ds, s.turns[0]) for ds in DATASETS for s in select(load_samples(ds), args.per_dataset)]
+    index = {p: i for i, (_, p) in enumerate(prompts)}  # the exactness check's key (prompts share long prefixes)
     pipe = dartree.load(threads=args.threads)
     adapters = {"lean": pipe.target}
     if args.hf:
@@ -92,26 +96,36 @@ def main() -> None:
         for ds, prompt in prompts:
             for method in methods:
                 res = pipe.generate(prompt, method=method, max_new_tokens=args.max_new_tokens)
-                records.append({"engine": f"dartree-{name}", "method": method, "dataset": ds, "prompt": prompt[:80],
+                records.append({"engine": f"dartree-{name}", "method": method, "dataset": ds, "prompt_index": index[prompt], "prompt": prompt[:80],
                                 "new_tokens": res.stats.new_tokens, "decode_seconds": res.stats.decode_seconds,
                                 "tau": res.stats.mean_acceptance, "token_ids": res.token_ids})
             print(name, ds, {r["method"]: round(r["new_tokens"] / r["decode_seconds"], 1) for r in records[-len(methods):]}, flush=True)
     for label, gguf, port in (("llama.cpp-F32", f32, 18081), ("llama.cpp-Q4_1", gguf_path(), 18082)):
-        proc = start_server(gguf, args.threads, port)
+        extra: tuple[str, ...] = ()
+        proc = None
         try:
-            llama_generate(port, "warm up", 8)
+            proc = start_server(gguf, args.threads, port)
+        except OSError:
+            pass
+        if proc is None:
+            extra = ("--no-repack",)
+            proc = start_server(gguf, args.threads, port, extra)
+        if proc is None:
+            raise RuntimeError(f"llama-server on {gguf} did not come up (with or without --no-repack)")
+        try:
             for ds, prompt in prompts:
                 r = llama_generate(port, prompt, args.max_new_tokens)
-                records.append({"engine": label, "method": "ar", "dataset": ds, "prompt": prompt[:80], **r})
+                records.append({"engine": label, "method": "ar", "dataset": ds, "prompt": prompt[:80],
+                                "server_flags": " ".join(extra), **r})
             print(label, "done", flush=True)
         finally:
             proc.send_signal(signal.SIGINT)
             proc.wait(timeout=30)
     # exactness: every dartree text against lean ar on the same prompt
-    ref = {r["prompt"]: r["token_ids"] for r in records if r["engine"] == "dartree-lean" and r["method"] == "ar"}
+    ref = {r["prompt_index"]: r["token_ids"] for r in records if r["engine"] == "dartree-lean" and r["method"] == "ar"}
     for r in records:
         if "token_ids" in r:
-            r["equals_lean_ar"] = r["token_ids"] == ref[r["prompt"]]
+            r["equals_lean_ar"] = r["token_ids"] == ref[r["prompt_index"]]
     summary = {"machine": describe_machine(), "threads": args.threads, "torch": torch.__version__,
                "max_new_tokens": args.max_new_tokens, "prompts": len(prompts), "rows": {}}
     for key in sorted({(r["engine"], r["method"]) for r in records}):
