@@ -3,10 +3,9 @@ oneDNN on packed weights, over 1..65 rows, with the memory's measured read speed
 
     .venv/bin/python scripts/bench_products.py --threads 2 --out docs/results/lean-forward/products.json
 
-Reports, per row count, the time of the 211 products of one SmolLM2-135M forward (30 layers x
-[qkv, o, gate_up, down] + the output layer, here timed as one row of each layer kind x 30 plus the
-output layer), the GB/s of weights read, and whether each backend is row-invariant (every row
-bitwise equal to that row alone).
+Reports, per row count, the time of the 121 products of one SmolLM2-135M forward on fused weights
+(30 layers x [qkv, o, gate_up, down] + the output layer; 538 MB of fp32 weights), the GB/s of
+weights read, and whether each backend is row-invariant (every row bitwise equal to that row alone).
 """
 
 import argparse
