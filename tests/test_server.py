@@ -259,7 +259,7 @@ def test_a_full_queue_is_a_429_and_an_internal_error_a_500_then_service_goes_on(
             busy = httpx.post(second.url + "/v1/chat/completions", json=body, timeout=60)
             assert busy.status_code == 429 and "busy" in busy.json()["error"]["message"]
             release.set()
-            assert first.result().status_code == 200
+            assert first.result().status_code == 200, first.result().text
             failed = waiting.result()
             assert failed.status_code == 500 and "simulated failure" in failed.json()["error"]["message"]
             again = httpx.post(second.url + "/v1/chat/completions", json=body, timeout=60)
