@@ -126,7 +126,7 @@ def identity(pipe) -> dict:
                    f"-{drafter.config.projector_type}",
         "device": str(pipe.device),
         "dtype": str(pipe.target.dtype).removeprefix("torch."),
-        "forward": getattr(pipe.target, "kind", "hf"),  # lean (lean.py) or the Hugging Face forward
+        "forward": pipe.target.kind,  # lean (lean.py) or hf (target.py)
         "threads": torch.get_num_threads(),
         "machine": describe_machine(),
         "version": COST_MODEL_VERSION,

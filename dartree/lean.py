@@ -29,7 +29,7 @@ from torch import nn
 
 from . import kernels
 from .errors import DartreeError
-from .loading import decoder_layers
+from .loading import check_tapped_layers, decoder_layers
 
 FAMILIES = ("llama", "qwen3")  # config.model_type values the lean forward implements
 PREFILL_CHUNK = 256  # prompt rows per forward: bounds the visibility matrix (rows are invariant, so chunks change nothing)
@@ -240,10 +240,7 @@ class LeanTarget:
         self.model = model.eval()
         self.config = model.config
         self.weights = weights or LeanWeights(model)
-        n_layers = len(self.weights.layers)
-        for i in tapped_layers:
-            if not 0 <= int(i) < n_layers:
-                raise DartreeError(f"tapped target layer {i} is out of range: the target has {n_layers} decoder layers (0..{n_layers - 1})")
+        check_tapped_layers(tapped_layers, len(self.weights.layers))
         self.tapped_layers = [int(i) for i in tapped_layers]
         self.capture = bool(self.tapped_layers)
         self.store = KVStore(self.weights, slots=1)

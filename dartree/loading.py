@@ -163,15 +163,20 @@ def final_norm(model: nn.Module) -> nn.Module:
     return norm
 
 
+def check_tapped_layers(layers, n_layers: int) -> None:
+    """A clear error for a tapped layer outside a target of ``n_layers`` decoder layers."""
+    for i in layers:
+        require(0 <= int(i) < n_layers,
+                f"tapped target layer {i} is out of range: the target has {n_layers} decoder layers (0..{n_layers - 1})")
+
+
 class LayerTap:
     """Forward hooks that keep the output of chosen decoder layers (equal to HF ``hidden_states[i+1]``)
     and, optionally, of the final norm, from the most recent forward."""
 
     def __init__(self, model: nn.Module, layers: list[int], final: bool = False):
         blocks = decoder_layers(model)
-        for i in layers:
-            require(0 <= int(i) < len(blocks),
-                    f"tapped target layer {i} is out of range: the target has {len(blocks)} decoder layers (0..{len(blocks) - 1})")
+        check_tapped_layers(layers, len(blocks))
         self.layers = [int(i) for i in layers]
         self.enabled = True
         self.outputs: dict[str, torch.Tensor] = {}

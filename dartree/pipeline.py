@@ -16,6 +16,7 @@ from .hardware import set_threads
 from .loading import check_pair, cpu_products, load_drafter, load_target, load_tokenizer, parse_dtype, resolve_device
 from .settings import GenerationSettings
 from .lean import LeanTarget, unsupported_reason
+from .prompts import chat_token_ids
 from .target import TargetAdapter, check_context_length
 from .trees import available_methods
 
@@ -121,9 +122,7 @@ class Pipeline:
                     "messages must be a non-empty list of {'role': ..., 'content': ...} dicts",
                 )
                 require(any(str(m["content"]).strip() for m in messages), "the messages are empty; give some text")
-                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-                if isinstance(ids, dict) or hasattr(ids, "keys"):
-                    ids = ids["input_ids"]
+                ids = chat_token_ids(self.tokenizer, messages)
             require(len(ids) > 0, "the prompt encodes to no tokens")
         return torch.tensor(ids, dtype=torch.long, device=self.device)
 

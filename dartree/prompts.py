@@ -14,3 +14,9 @@ def code_prompt(prompt: str) -> str:
 
 def instruction_prompt(instruction: str, context: str = "") -> str:
     return f"{instruction}\n\nInput:\n{context}" if context and context.strip() else instruction
+
+
+def chat_token_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The token ids of ``messages`` in the tokenizer's chat template, ready for the assistant's turn."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)

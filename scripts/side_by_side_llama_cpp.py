@@ -76,22 +76,20 @@ def main() -> None:
     from dartree.bench.datasets import DATASETS, load_samples, select
     from dartree.default_model import gguf_path
     from dartree.hardware import describe_machine
-    from dartree.pipeline import make_target_adapter
+    from dartree.pipeline import Pipeline
 
     f32 = LLAMA / "SmolLM2-135M-Instruct.F32.gguf"
     if not (LLAMA / "bin" / "llama-server").is_file() or not f32.is_file():
         raise SystemExit("llama.cpp is not built here; run `bash scripts/build_llama_cpp.sh` first (~8 minutes)")
     prompts = [(ds, s.turns[0]) for ds in DATASETS for s in select(load_samples(ds), args.per_dataset)]
     index = {p: i for i, (_, p) in enumerate(prompts)}  # the exactness check's key (prompts share long prefixes)
-    pipe = dartree.load(threads=args.threads)
-    adapters = {"lean": pipe.target}
-    if args.hf:
-        adapters["hf"] = make_target_adapter(pipe.model, pipe.drafter.config.target_layer_ids, lean=False)
+    lean = dartree.load(threads=args.threads, lean=True)
+    pipes = {"lean": lean}
+    if args.hf:  # the same model and drafter on the Hugging Face forward (its own cost model)
+        pipes["hf"] = Pipeline(lean.model, lean.drafter, lean.tokenizer, lean=False)
     records = []
     methods = args.methods.split(",")
-    for name, adapter in adapters.items():
-        pipe.target = adapter
-        pipe._cost_model, pipe._budgets = None, {}  # each forward has its own cost model
+    for name, pipe in pipes.items():
         pipe.generate("warm up", method="dartree", max_new_tokens=8)
         for ds, prompt in prompts:
             for method in methods:

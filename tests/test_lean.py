@@ -148,27 +148,23 @@ def test_a_request_is_unaffected_by_what_shares_its_forward(tiny32, data):
         offset += n
 
 
+@pytest.fixture(scope="module")
+def fp32_pipeline(model_dirs):
+    return dartree.load(model_dirs[("qwen3", "target")], model_dirs[("qwen3", "domino")], dtype=torch.float32)
+
+
 @settings(max_examples=12, deadline=None)
 @given(prompt=st.lists(st.integers(0, 7), min_size=1, max_size=12), seed=st.integers(0, 3))
-def test_every_method_reproduces_lean_ar_in_float32(model_dirs, prompt, seed):
+def test_every_method_reproduces_lean_ar_in_float32(fp32_pipeline, prompt, seed):
     """In float32 (where a non-invariant product would round tree rows differently) every method's
     greedy text equals the lean ``ar`` text token for token."""
-    pipe = _fp32_pipeline(model_dirs)
+    pipe = fp32_pipeline
     assert isinstance(pipe.target, LeanTarget)
     ref = pipe.generate(input_ids=prompt, method="ar", max_new_tokens=24, seed=seed).token_ids
     for method in available_methods(True, True):
         for budget in (3, 16):
             out = pipe.generate(input_ids=prompt, method=method, max_new_tokens=24, seed=seed, budget=budget).token_ids
             assert out == ref, (method, budget)
-
-
-_PIPES = {}
-
-
-def _fp32_pipeline(model_dirs):
-    if "fp32" not in _PIPES:
-        _PIPES["fp32"] = dartree.load(model_dirs[("qwen3", "target")], model_dirs[("qwen3", "domino")], dtype=torch.float32)
-    return _PIPES["fp32"]
 
 
 def test_lean_can_be_refused_and_insisted_on(model_dirs):

@@ -37,16 +37,8 @@ struct Lanes {
   inline void store(T* p) const { for (int j = 0; j < BLOCK; ++j) p[j] = v[j]; }
 };
 
-#if defined(__AVX512F__)
-template <>
-struct Lanes<float> {
-  __m512 v;
-  static inline Lanes zero() { return {_mm512_setzero_ps()}; }
-  static inline Lanes load(const float* p) { return {_mm512_loadu_ps(p)}; }
-  inline void fma(const Lanes& w, float x) { v = _mm512_fmadd_ps(w.v, _mm512_set1_ps(x), v); }
-  inline void store(float* p) const { _mm512_storeu_ps(p, v); }
-};
-#elif defined(__AVX2__) && defined(__FMA__)
+// With AVX-512, float products take product_tile's own register path; this is the AVX2 one.
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 template <>
 struct Lanes<float> {
   __m256 lo, hi;
@@ -184,20 +176,15 @@ inline void rmsnorm_row(const T* x, const T* w, T* y, int64_t H, double eps) {
   for (int64_t i = 0; i < H; ++i) y[i] = w[i] * (x[i] * inv);
 }
 
+// 2^n for n in the normal exponent range, built from its bits
 template <typename T>
-inline T pow2(int64_t n);
-template <>
-inline float pow2<float>(int64_t n) {
-  const uint32_t bits = (uint32_t)(n + 127) << 23;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-template <>
-inline double pow2<double>(int64_t n) {
-  const uint64_t bits = (uint64_t)(n + 1023) << 52;
-  double f;
-  std::memcpy(&f, &bits, 8);
+inline T pow2(int64_t n) {
+  using Bits = std::conditional_t<sizeof(T) == 4, uint32_t, uint64_t>;
+  constexpr int mantissa_bits = std::numeric_limits<T>::digits - 1;     // 23 / 52
+  constexpr int64_t bias = std::numeric_limits<T>::max_exponent - 1;    // 127 / 1023
+  const Bits bits = (Bits)(n + bias) << mantissa_bits;
+  T f;
+  std::memcpy(&f, &bits, sizeof f);
   return f;
 }
 

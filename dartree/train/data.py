@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from ..errors import DartreeError
 from ..loading import LayerTap
-from ..prompts import code_prompt, instruction_prompt, math_prompt
+from ..prompts import chat_token_ids, code_prompt, instruction_prompt, math_prompt
 
 MBPP_TRAIN_IDS = set(range(511, 975)) | set(range(1, 11))  # 11..510 is MBPP's test split
 
@@ -278,14 +278,14 @@ def save_shard(path: Path, seqs: list[Sequence], meta: dict) -> None:
 
 def load_shard(path: Path) -> list[Sequence]:
     from safetensors import safe_open
-    from safetensors.torch import load_file
 
-    t = load_file(str(path))
+    with safe_open(str(path), "pt") as f:  # tensors and metadata in one read
+        t = {k: f.get_tensor(k) for k in f.keys()}
+        meta = f.metadata() or {}
     offsets = t["offsets"].tolist()
     sources = [""] * (len(offsets) - 1)
     if "source_ids" in t:
-        with safe_open(str(path), "pt") as f:
-            names = json.loads(f.metadata()["sources"])
+        names = json.loads(meta["sources"])
         sources = [names[i] for i in t["source_ids"].tolist()]
     return [Sequence(t["tokens"][a:b].long(), int(n), src)
             for a, b, n, src in zip(offsets, offsets[1:], t["prompt_lens"].tolist(), sources)]
@@ -307,11 +307,6 @@ def shard_files(data_dir: str | Path) -> list[Path]:
 def load_shards(files: list[Path], min_response: int = 2) -> list[Sequence]:
     """Every sequence of ``files`` (in order) with at least ``min_response`` new tokens."""
     return [s for f in files for s in load_shard(f) if s.tokens.numel() - s.prompt_len >= min_response]
-
-
-def _encode_chat(tokenizer, text: str) -> list[int]:
-    e = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
-    return list(e["input_ids"] if hasattr(e, "keys") else e)
 
 
 def generate_data(model, tokenizer, prompts_dir, out_dir, num_prompts: int | None = None, batch_size: int = 48,
@@ -345,7 +340,7 @@ def generate_data(model, tokenizer, prompts_dir, out_dir, num_prompts: int | Non
         temperature = 1.0 if random.Random(seed * 100_003 + k).random() < sample_fraction else 0.0
         gen = torch.Generator().manual_seed(seed * 1_000_003 + k)
         # encoded shard by shard: the expanded set's 70k chat templates would take minutes up front
-        encoded = [_encode_chat(tokenizer, p.text)[-512:] for p in shards[k]]  # keep prompts short enough for a CPU
+        encoded = [chat_token_ids(tokenizer, [{"role": "user", "content": p.text}])[-512:] for p in shards[k]]  # keep prompts short enough for a CPU
         order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
         ts = time.perf_counter()
         seqs = generate_batch(model, [encoded[i] for i in order], max_new_tokens, temperature, stop, tokenizer.eos_token_id, gen)
