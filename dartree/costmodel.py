@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from . import kernels
 from .errors import DartreeError
 from .hardware import describe_machine
 
@@ -127,6 +128,7 @@ def identity(pipe) -> dict:
         "device": str(pipe.device),
         "dtype": str(pipe.target.dtype).removeprefix("torch."),
         "forward": pipe.target.kind,  # lean (lean.py) or hf (target.py)
+        "kernels": kernels.build_dir().name,  # the lean kernels' source and build: changed kernels, new times
         "threads": torch.get_num_threads(),
         "machine": describe_machine(),
         "version": COST_MODEL_VERSION,
