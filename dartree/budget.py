@@ -27,7 +27,7 @@ what is verified changes, never how: the output stays exactly what the target al
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -64,6 +64,12 @@ class AdaptiveBudget:
     def __post_init__(self):
         self.predicted = [0.0] * (self.max_depth + 1)
         self.accepted = [0.0] * (self.max_depth + 1)
+
+    def fork(self) -> "AdaptiveBudget":
+        """A policy for another request: the same settings and calibration so far, its own state."""
+        other = replace(self, history=[])
+        other.predicted, other.accepted = list(self.predicted), list(self.accepted)
+        return other
 
     def start_request(self) -> None:
         """A new generation starts with speculation on; the calibration carries over."""
@@ -112,20 +118,14 @@ class AdaptiveBudget:
     def choose(self, tree: DraftTree) -> BudgetChoice:
         """The prefix size b (0..len(tree)) that maximises this round's expected tokens per ms of
         verification, or b = 0 (the root alone) when no prefix beats a plain step."""
-        plain = BudgetChoice(0, 1.0, self.cost.verify(1))
-        if len(tree) == 0 or tree.rank is None:
-            return plain
-        p = self.probabilities(tree)[tree.rank.cpu()]
-        gains = 1.0 + torch.cumsum(p, 0)
-        sizes = torch.arange(1, len(tree) + 1)
-        ms = torch.tensor([self.cost.verify(int(b) + 1) for b in sizes], dtype=torch.float64)
-        best = int(torch.argmax(gains / ms))  # the global argmax: the cost curve is a staircase
-        spec = BudgetChoice(int(sizes[best]), float(gains[best]), float(ms[best]))
-        return spec if spec.expected_tokens / spec.expected_ms > 1.0 / plain.expected_ms else plain
+        return choose_batch([(self, tree)], fixed_rows=1, base_tokens=1.0)[0]
 
     def cut(self, tree: DraftTree) -> DraftTree:
         """The tree to verify this round; also decides whether the next rounds draft."""
-        choice = self.choose(tree)
+        return self.apply(tree, self.choose(tree))
+
+    def apply(self, tree: DraftTree, choice: BudgetChoice) -> DraftTree:
+        """Verify ``choice.nodes`` of ``tree`` this round, and decide from it whether the next rounds draft."""
         # What drafting this round is worth, counted as whole rounds (what the next ones will cost).
         worth = choice.expected_tokens / self.cost.round_ms(choice.nodes) * self.cost.verify(1)
         self.value += self.smoothing * (worth - self.value)
@@ -153,3 +153,49 @@ class AdaptiveBudget:
             d = min(d, self.max_depth)
             self.predicted[d] += pi
             self.accepted[d] += 1.0 if (i + 1) in on_path else 0.0
+
+
+def choose_batch(items: list[tuple[AdaptiveBudget, DraftTree]], fixed_rows: int, base_tokens: float) -> list[BudgetChoice]:
+    """One budget across a batch (DARTree's global top-B, taken across requests).
+
+    ``items``: each speculating request's policy and ranked tree; ``fixed_rows``: the rows the round's
+    forward has anyway (every decoding request's root, prompt chunks, trees of fixed size);
+    ``base_tokens``: the tokens the round commits anyway (one per decoding request). The requests'
+    nodes are merged best first (each request's in its rank order, so every request keeps a prefix,
+    which is a tree), and the round takes the m of them that maximise
+    (base_tokens + sum of their p) / t_forward(fixed_rows + m), m = 0 (no speculation) included: as
+    the batch grows and rows stop being nearly free, it speculates less. With one request this is
+    the single-request choice exactly."""
+    cost = items[0][0].cost
+    probs = []
+    for policy, tree in items:
+        probs.append(policy.probabilities(tree)[tree.rank.cpu()].tolist() if len(tree) and tree.rank is not None else [])
+    # k-way merge by each request's next node (ties: the earlier request, then the earlier rank).
+    heads = [0] * len(items)
+    order: list[int] = []
+    gains: list[float] = []
+    while True:
+        best = max((i for i in range(len(items)) if heads[i] < len(probs[i])), key=lambda i: probs[i][heads[i]], default=None)
+        if best is None:
+            break
+        order.append(best)
+        gains.append(probs[best][heads[best]])
+        heads[best] += 1
+    gain = base_tokens + torch.cumsum(torch.tensor([0.0] + gains, dtype=torch.float64), 0)
+    ms = torch.tensor([cost.verify(fixed_rows + m) for m in range(len(gains) + 1)], dtype=torch.float64)
+    m = int(torch.argmax(gain / ms))  # the first of equal rates: fewer rows; the cost curve is a staircase
+    counts = [0] * len(items)
+    for i in order[:m]:
+        counts[i] += 1
+    choices = []
+    for i, n in enumerate(counts):
+        mine = float(1.0 + torch.cumsum(torch.tensor(probs[i][:n], dtype=torch.float64), 0)[-1]) if n else 1.0
+        choices.append(BudgetChoice(n, mine, float(ms[m])))
+    return choices
+
+
+def cut_batch(items: list[tuple[AdaptiveBudget, DraftTree]], fixed_rows: int, base_tokens: float) -> list[DraftTree]:
+    """Each request's tree to verify this round under ``choose_batch``, with each policy's state
+    updated as ``AdaptiveBudget.cut`` updates it."""
+    choices = choose_batch(items, fixed_rows, base_tokens)
+    return [policy.apply(tree, c) for (policy, tree), c in zip(items, choices)]

@@ -116,6 +116,14 @@ class CostModel:
         return path
 
 
+def default_max_batch(cost: CostModel, limit: int = 16) -> int:
+    """The most requests one round should hold: the largest b <= ``limit`` whose b-row forward costs
+    at most twice a one-row step (each request of a full batch of plain steps still decodes at least
+    half as fast as alone, while the batch's throughput grows with b)."""
+    one = cost.verify(1)
+    return max([b for b in range(1, limit + 1) if cost.verify(b) <= 2.0 * one] or [1])
+
+
 def identity(pipe) -> dict:
     """What a cost model depends on."""
     drafter = pipe.drafter

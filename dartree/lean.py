@@ -155,6 +155,18 @@ class KVStore:
             new[:, :, :, : old.shape[3]] = old
             setattr(self, name, new)
 
+    def add_slots(self, slots: int) -> None:
+        """Hold at least ``slots`` requests (the slots already held keep their rows)."""
+        if slots <= self.slots:
+            return
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_zeros((old.shape[0], slots, *old.shape[2:]))
+            new[:, : self.slots] = old
+            setattr(self, name, new)
+        self.lengths += [0] * (slots - self.slots)
+        self.slots = slots
+
     def keep(self, slot: int, start: int, rows: torch.Tensor) -> None:
         """Keep the K/V of new rows ``rows`` (indices from ``start``) at ``start``.. and commit them."""
         n = rows.numel()
@@ -228,13 +240,16 @@ class LeanOutput(nn.Module):
 
 
 class LeanTarget:
-    """The target adapter on the lean forward, for one request (slot 0 of its store).
+    """The target adapter on the lean forward.
 
-    The same interface as ``target.TargetAdapter``: ``prefill``, ``forward_tree(_hidden)``,
-    ``tree_mask`` (here the boolean ancestor matrix itself), ``compact``, ``lm_head``, and the tapped
-    states of every forward."""
+    The round's interface (``engine.run_round``): ``reserve_slots``, ``reset_slot``, ``slot_length``,
+    ``forward_parts`` (one forward over the rows of many slots) and ``keep``. The single-request
+    interface of ``target.TargetAdapter`` on slot 0 (``prefill``, ``forward_tree(_hidden)``,
+    ``tree_mask``, here the boolean ancestor matrix itself, ``compact``), for the cost model and
+    tests. ``lm_head`` and the tapped states as there."""
 
     kind = "lean"
+    prefill_chunk = PREFILL_CHUNK
 
     def __init__(self, model: nn.Module, tapped_layers: list[int] | tuple[int, ...] = (), weights: LeanWeights | None = None):
         self.model = model.eval()
@@ -311,3 +326,42 @@ class LeanTarget:
 
     def close(self) -> None:
         pass
+
+    # ------------------------------------------------------------- the round's interface
+    def reserve_slots(self, slots: int) -> int:
+        self.store.add_slots(slots)
+        return slots
+
+    def reset_slot(self, slot: int) -> None:
+        self.store.lengths[slot] = 0
+
+    def slot_length(self, slot: int) -> int:
+        return self.store.lengths[slot]
+
+    @torch.no_grad()
+    def forward_parts(self, parts) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """ONE forward over the rows of every part (``engine.Part``: a slot's new rows appended after
+        its committed length), split back per part: final-normed states [n, H] and tapped states."""
+        store = self.store
+        width = max(p.tokens.numel() for p in parts)
+        rows = []
+        for p in parts:
+            n, past = p.tokens.numel(), store.lengths[p.slot]
+            visible = torch.zeros(n, width, dtype=torch.uint8)
+            visible[:, :n] = p.visible.cpu()
+            rows.append(Rows(p.tokens.cpu(), torch.full((n,), p.slot, dtype=torch.long), past + p.depths.cpu(),
+                             past + torch.arange(n), torch.full((n,), past, dtype=torch.long), visible))
+        store.reserve(max(store.lengths[p.slot] + p.tokens.numel() for p in parts))
+        batch = rows[0] if len(rows) == 1 else Rows(*(torch.cat(t) for t in zip(*(
+            (r.tokens, r.slots, r.positions, r.cache_positions, r.past, r.visible) for r in rows))))
+        hidden, feats = forward(self.weights, store, batch, self.tapped_layers if self.capture else ())
+        out, at = [], 0
+        for p in parts:
+            n = p.tokens.numel()
+            store.lengths[p.slot] += n
+            out.append((hidden[at:at + n], feats[at:at + n] if feats is not None else None))
+            at += n
+        return out
+
+    def keep(self, slot: int, start: int, keep: torch.Tensor) -> None:
+        self.store.keep(slot, start, keep.cpu())

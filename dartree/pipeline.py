@@ -9,7 +9,7 @@ import torch
 
 from .budget import AdaptiveBudget
 from .costmodel import CostModel, load_or_measure
-from .decoding import GenerationStats, decode
+from .engine import Engine, GenerationStats, Request, run_alone
 from .drafter import DraftProposer, DrafterModel
 from .errors import DartreeError, require
 from .hardware import set_threads
@@ -88,6 +88,31 @@ class Pipeline:
         if key not in self._budgets:
             self._budgets[key] = AdaptiveBudget(self.cost_model(), max_depth=self.proposer.num_depths)
         return self._budgets[key]
+
+    def request(self, ids: torch.Tensor, settings: GenerationSettings, stop_token_ids: list[int] | None = None,
+                on_tokens=None, cancelled=None, alone: bool = True) -> Request:
+        """A request of ``settings`` (validated, and checked with ``check_request``) for the round.
+
+        ``alone``: the request runs by itself (``generate``), so it uses the pipeline's drafter
+        cache and budget policy; else (the batched engine) it gets its own drafter cache and its own
+        copy of the policy, whose acceptance calibration starts from the pipeline's."""
+        builder = settings.builder()
+        budget = None
+        if settings.tree.auto and builder.ranked:
+            budget = self.adaptive_budget(settings)
+            if not alone:
+                budget = budget.fork()
+        proposer = None
+        if builder.uses_drafter:
+            proposer = self.proposer if alone else DraftProposer(self.drafter, self.target.embed_tokens, self.target.lm_head)
+        stop = set(stop_token_ids) if stop_token_ids is not None else self.default_stop_ids()
+        return Request(ids, builder, settings.sampler(self.device), settings.max_new_tokens, stop, budget=budget,
+                       proposer=proposer, on_tokens=on_tokens, cancelled=cancelled)
+
+    def engine(self, max_batch: int) -> Engine:
+        """A batched engine over this pipeline's target: up to ``max_batch`` requests per round
+        (the Hugging Face forward holds one; the lean forward any number)."""
+        return Engine(self.target, self.head, max_batch)
 
     @property
     def device(self) -> torch.device:
@@ -172,11 +197,6 @@ class Pipeline:
         ).validate()
         ids = self.encode(prompt, messages, input_ids)
         self.check_request(ids, settings)
-        max_new_tokens = settings.max_new_tokens
-        sampler = settings.sampler(self.device)
-        builder = settings.builder()
-        budget = self.adaptive_budget(settings) if settings.tree.auto and builder.ranked else None
-        stop = set(stop_token_ids) if stop_token_ids is not None else self.default_stop_ids()
         if settings.seed is not None:
             torch.manual_seed(settings.seed)
         on_tokens = None
@@ -185,8 +205,8 @@ class Pipeline:
                     "streamer must have put(tensor) and end() methods, like transformers.TextStreamer")
             streamer.put(ids[None].cpu())
             on_tokens = lambda new: streamer.put(torch.tensor(new))  # noqa: E731
-        tokens, stats = decode(self.target, builder, ids, max_new_tokens, stop, sampler, self.proposer, self.head,
-                               on_tokens, budget)
+        request = run_alone(self.target, self.request(ids, settings, stop_token_ids, on_tokens), self.head)
+        tokens, stats = request.output, request.stats
         if streamer is not None:
             streamer.end()
         text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else None

@@ -19,10 +19,15 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+import torch
+
+from .engine import FINISH_CANCELLED, FINISH_ERROR
 from .errors import DartreeError
 from .settings import GenerationSettings
 
-DART_FIELDS = ("method", "budget", "width", "top_k", "beta")  # dartree's own settings, as extra body fields
+# dartree's own settings as extra body fields -> their GenerationSettings names. ``top_k`` itself is
+# sampling top-k, as in vLLM's OpenAI server; DARTree's K (candidates per depth) is ``tree_top_k``.
+DART_FIELDS = {"method": "method", "budget": "budget", "width": "width", "tree_top_k": "top_k", "beta": "beta"}
 
 
 class RequestError(Exception):
@@ -36,10 +41,6 @@ class RequestError(Exception):
         return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": None}}
 
 
-class Cancelled(Exception):
-    """Raised inside the engine thread when a job's client went away or a stop string ended it."""
-
-
 @dataclass
 class Job:
     input_ids: list[int]
@@ -49,38 +50,25 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
-class _JobStreamer:
-    """The Hugging Face streamer interface on top of a job: each round's verified tokens become an
-    event; a cancelled job stops the generation at its next round."""
-
-    def __init__(self, job: Job):
-        self.job, self.first = job, True
-
-    def put(self, value):
-        if self.job.cancelled.is_set():
-            raise Cancelled()
-        if self.first:  # generate() hands the prompt first, as HF streamers expect
-            self.first = False
-            return
-        self.job.events.put(("tokens", value.flatten().tolist()))
-
-    def end(self):
-        pass
-
-
 class Engine:
-    """One worker thread running ``Pipeline.generate`` for one job at a time, in arrival order."""
+    """The engine thread: jobs join the batched engine (``engine.Engine``) between rounds, up to
+    ``max_batch`` at once, each round ONE target forward over all of them; the rest wait in a bounded
+    queue (HTTP 429 beyond it). A job whose client went away (or whose stop string matched) is
+    cancelled at the next round and its slot freed; a job that fails gets its own error and the
+    others go on."""
 
-    def __init__(self, pipe, max_queue: int = 16):
+    def __init__(self, pipe, max_queue: int = 16, max_batch: int = 1):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.pipe = pipe
+        self.batch = pipe.engine(max_batch)
+        self.max_batch = self.batch.max_batch
         self.jobs: "queue.Queue[Job]" = queue.Queue(maxsize=max_queue)
         self.registry = CollectorRegistry()
         p = "dartree:"
         self.requests = Counter(p + "requests", "requests served to the end", ["status"], registry=self.registry)
         self.generated = Counter(p + "generation_tokens", "tokens generated", registry=self.registry)
-        self.drafts = Counter(p + "spec_decode_num_drafts", "rounds (one target forward each)", registry=self.registry)
+        self.drafts = Counter(p + "spec_decode_num_drafts", "request rounds (a request's share of one target forward)", registry=self.registry)
         self.draft_tokens = Counter(p + "spec_decode_num_draft_tokens", "tree nodes verified", registry=self.registry)
         self.accepted = Counter(p + "spec_decode_num_accepted_tokens", "draft tokens accepted", registry=self.registry)
         self.accepted_pos = Counter(p + "spec_decode_num_accepted_tokens_per_pos", "accepted draft tokens by depth",
@@ -88,6 +76,9 @@ class Engine:
         self.mean_acceptance = Gauge(p + "mean_acceptance_length", "committed tokens per round (tau), all requests",
                                      registry=self.registry)
         self.queue_length = Gauge(p + "num_requests_waiting", "requests waiting in the queue", registry=self.registry)
+        self.running = Gauge(p + "num_requests_running", "requests in the running batch", registry=self.registry)
+        self.batch_size = Histogram(p + "batch_size", "requests per round (one target forward)", registry=self.registry,
+                                    buckets=tuple(2 ** i for i in range(7)))
         self.tpot = Histogram(p + "time_per_output_token_seconds", "decode time per output token", registry=self.registry,
                               buckets=(0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0))
         self._rounds = 0
@@ -103,24 +94,60 @@ class Engine:
                                status=429, kind="rate_limit_error") from None
         self.queue_length.set(self.jobs.qsize())
 
+    def _admit(self, job: Job) -> None:
+        """A job becomes a request of the batched engine (it waits there for a free slot)."""
+        if job.cancelled.is_set():
+            job.events.put(("cancelled", None))
+            self.requests.labels("cancelled").inc()
+            return
+        try:
+            request = self.pipe.request(torch.tensor(job.input_ids), job.settings,
+                                        on_tokens=lambda new, job=job: job.events.put(("tokens", list(new))),
+                                        cancelled=job.cancelled.is_set, alone=False)
+        except Exception as exc:  # noqa: BLE001 - reported to the client as a 500
+            job.events.put(("error", f"{type(exc).__name__}: {exc}"))
+            self.requests.labels("error").inc()
+            return
+        request.job = job
+        self.batch.submit(request)
+
     def _work(self) -> None:
         while True:
-            job = self.jobs.get()
-            self.queue_length.set(self.jobs.qsize())
-            if job.cancelled.is_set():
-                continue
+            # Idle: wait for a job. Busy: take the jobs that arrived, up to the free room, without waiting.
+            if not self.batch.busy:
+                self._admit(self.jobs.get())
+            while len(self.batch.waiting) + len(self.batch.active) < self.max_batch:
+                try:
+                    self._admit(self.jobs.get_nowait())
+                except queue.Empty:
+                    break
+            self.queue_length.set(self.jobs.qsize() + len(self.batch.waiting))
             try:
-                result = self.pipe.generate(input_ids=job.input_ids, settings=job.settings, streamer=_JobStreamer(job))
-            except Cancelled:
-                job.events.put(("cancelled", None))
-                self.requests.labels("cancelled").inc()
-                continue
-            except Exception as exc:  # noqa: BLE001 - reported to the client as a 500; the engine goes on
-                job.events.put(("error", f"{type(exc).__name__}: {exc}"))
-                self.requests.labels("error").inc()
-                continue
-            self._account(result.stats)
-            job.events.put(("done", result))
+                finished = self.batch.step()
+            except Exception as exc:  # noqa: BLE001 - the forward itself failed: every request in it gets the error
+                finished = self.batch.abort(exc)
+            self.running.set(len(self.batch.active))
+            if self.batch.batch_sizes:
+                self.batch_size.observe(self.batch.batch_sizes[-1])
+            for r in finished:
+                self._finish(r)
+
+    def _finish(self, request) -> None:
+        from .pipeline import GenerationResult
+
+        job = request.job
+        reason = request.stats.finish_reason
+        if reason == FINISH_CANCELLED:
+            job.events.put(("cancelled", None))
+            self.requests.labels("cancelled").inc()
+        elif reason == FINISH_ERROR:
+            job.events.put(("error", f"{type(request.error).__name__}: {request.error}"))
+            self.requests.labels("error").inc()
+        else:
+            tokenizer = self.pipe.tokenizer
+            text = tokenizer.decode(request.output, skip_special_tokens=True) if tokenizer is not None else None
+            self._account(request.stats)
+            job.events.put(("done", GenerationResult(token_ids=request.output, text=text, stats=request.stats)))
             self.requests.labels("ok").inc()
 
     def _account(self, stats) -> None:
@@ -184,6 +211,9 @@ def parse_request(body, defaults: GenerationSettings, chat: bool):
     temperature = _number(body, "temperature", low=0, high=2)
     top_p = _number(body, "top_p", low=0, high=1, low_open=True)
     seed = _number(body, "seed", integer=True)
+    sampling_top_k = _number(body, "top_k", low=-1, integer=True)
+    if sampling_top_k is not None and sampling_top_k <= 0:  # vLLM: -1 (or 0) turns top-k off
+        sampling_top_k = None
     stop = body.get("stop")
     if stop is None:
         stop = []
@@ -197,14 +227,14 @@ def parse_request(body, defaults: GenerationSettings, chat: bool):
     options = body.get("stream_options") or {}
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
         raise RequestError("'stream_options' must be an object like {\"include_usage\": true}", param="stream_options")
-    extra = {name: body[name] for name in DART_FIELDS if body.get(name) is not None}
+    extra = {field: body[name] for name, field in DART_FIELDS.items() if body.get(name) is not None}
     if "method" in extra and not isinstance(extra["method"], str):  # the registry lookup needs a hashable name
         raise RequestError("'method' must be a string", param="method")
-    # budget / width / top_k / beta are checked by TreeSettings.validate below, as for every caller
+    # budget / width / tree_top_k / beta are checked by TreeSettings.validate below, as for every caller
     try:
         settings = GenerationSettings.from_kwargs(
             defaults, max_new_tokens=max_tokens, temperature=temperature, top_p=top_p if top_p != 1 else None,
-            seed=seed, **extra).validate()
+            sampling_top_k=sampling_top_k, seed=seed, **extra).validate()
     except DartreeError as exc:
         raise RequestError(str(exc)) from None
     return source, settings, stop, stream, bool(options.get("include_usage", False))
@@ -253,13 +283,14 @@ class TextAssembler:
 # ---------------------------------------------------------------- the app
 
 
-def create_app(pipe, defaults: GenerationSettings | None = None, model_name: str = "dartree", max_queue: int = 16):
+def create_app(pipe, defaults: GenerationSettings | None = None, model_name: str = "dartree", max_queue: int = 16,
+               max_batch: int = 1):
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from prometheus_client import generate_latest
 
     defaults = (defaults or GenerationSettings()).validate()
-    engine = Engine(pipe, max_queue=max_queue)
+    engine = Engine(pipe, max_queue=max_queue, max_batch=max_batch)
     app = FastAPI(title="dartree", version="0.1.0")
     app.state.engine = engine
     tokenizer = pipe.tokenizer
@@ -432,13 +463,18 @@ def add_serve_parser(sub) -> None:
         help="serve the model over the OpenAI HTTP API (chat/completions, completions, streaming, /metrics)",
         description="An OpenAI-compatible server on the speculative engine: GET /v1/models, POST /v1/chat/completions "
         "and /v1/completions (stream: true for server-sent events), GET /health, GET /metrics (Prometheus). Requests "
-        "are served one at a time in arrival order from a bounded queue (HTTP 429 when full); dartree's own settings "
-        "(method, budget, width, top_k, beta) may be given as extra fields of a request body.",
+        "are decoded together, up to --max-batch at once, each round one target forward over all of them (requests "
+        "join and leave between rounds); the rest wait in a bounded queue (HTTP 429 when full). dartree's own "
+        "settings (method, budget, width, tree_top_k, beta) may be given as extra fields of a request body.",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--model-name", default="dartree", help="the model id reported by /v1/models (default dartree)")
     p.add_argument("--max-queue", type=int, default=16, help="requests that may wait before HTTP 429 (default 16)")
+    p.add_argument("--max-batch", type=int, default=None,
+                   help="requests decoded together in one round (default: from this machine's cost model, the most "
+                   "requests whose one-row forward costs at most twice a single request's, up to 16; 1 on the Hugging "
+                   "Face forward, which holds one request)")
     p.add_argument("--method", "-m", default=GenerationSettings.method, help=f"default method (default {GenerationSettings.method})")
     p.add_argument("--max-new-tokens", "-n", type=int, default=GenerationSettings.max_new_tokens,
                    help=f"default max_tokens of a request (default {GenerationSettings.max_new_tokens})")
@@ -456,6 +492,7 @@ def _run_serve(args) -> int:
     import dartree
 
     from .cliargs import tree_settings
+    from .costmodel import default_max_batch
     from .hardware import set_threads
 
     defaults = GenerationSettings(method=args.method, max_new_tokens=args.max_new_tokens, tree=tree_settings(args)).validate()
@@ -465,9 +502,14 @@ def _run_serve(args) -> int:
         raise DartreeError(f"--max-queue must be >= 1, got {args.max_queue}")
     set_threads(args.threads)
     pipe = dartree.load(args.target, args.drafter, dtype=args.dtype, device=args.device, threads=args.threads)
-    app = create_app(pipe, defaults, args.model_name, args.max_queue)
+    if args.max_batch is not None and args.max_batch < 1:
+        raise DartreeError(f"--max-batch must be >= 1, got {args.max_batch}")
+    max_batch = args.max_batch
+    if max_batch is None:
+        max_batch = default_max_batch(pipe.cost_model()) if pipe.target.kind == "lean" else 1
+    app = create_app(pipe, defaults, args.model_name, args.max_queue, max_batch)
     print(f"dartree serve: listening on http://{args.host}:{args.port}/v1 (model {args.model_name!r}, method "
-          f"{defaults.method}, budget {defaults.tree.budget})", file=sys.stderr)
+          f"{defaults.method}, budget {defaults.tree.budget}, max batch {max_batch})", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 

@@ -159,6 +159,36 @@ class TargetAdapter:
                                use_cache=True)
         return out.last_hidden_state[0], self._features()
 
+    # ------------------------------------------------------------- the round's interface (one slot)
+    prefill_chunk = 1 << 62  # a prompt goes in as one forward, as Hugging Face's generate does
+
+    def reserve_slots(self, slots: int) -> int:
+        """The Hugging Face forward holds one request (batching needs the lean forward)."""
+        return 1
+
+    def reset_slot(self, slot: int) -> None:
+        self.cache = None
+
+    def slot_length(self, slot: int) -> int:
+        return self.cache_length
+
+    @torch.no_grad()
+    def forward_parts(self, parts) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """The round's forward over one request's rows (``engine.Part``): a prompt into an empty
+        cache (the model's own causal mask), else a tree (or a single root) appended to the cache."""
+        if len(parts) != 1:
+            raise DartreeError(f"the Hugging Face forward runs one request per forward, got {len(parts)}")
+        part = parts[0]
+        if self.cache is None:
+            self.cache = growing_cache(self.config, kv_cache_dtype(self.model))
+            out = self.model.model(input_ids=part.tokens[None], cache=self.cache, use_cache=True)
+            return [(out.last_hidden_state[0], self._features())]
+        n = part.tokens.numel()
+        return [self.forward_tree_hidden(part.tokens, part.depths, self.tree_mask(part.visible) if n > 1 else None)]
+
+    def keep(self, slot: int, start: int, keep: torch.Tensor) -> None:
+        self.compact(start, keep)
+
     def tree_mask(self, visibility: torch.Tensor) -> torch.Tensor:
         """Additive mask [1, 1, n, past + n] from a boolean ancestor matrix [n, n].
 

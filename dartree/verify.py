@@ -1,8 +1,7 @@
-"""Tree verification: one stage, ``verify``, that turns a draft tree into committed tokens.
-
-It owns the root row, the ancestor mask, the target's one forward over [root, tree], the target's
-choice at every row (``Sampler``), the walk, and the compaction of the target's KV cache to the
-accepted path. ``replay`` (bench/) uses the same walk on known choices.
+"""Tree verification: the ancestor mask, the target's choice at every row (``Sampler``) and the walk
+that turns a verified tree into committed tokens. The round (``engine.run_round``) runs the target's
+forward over [root, tree] and compacts the cache to the accepted path; ``replay`` (bench/) uses the
+same walk on known choices.
 
 The walk makes every method lossless at any temperature: at each node the target's own choice
 (argmax, or an independent sample of its distribution) is drawn; we follow the child carrying that
@@ -14,16 +13,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from .errors import DartreeError
 from .trees import DraftTree
-
-if TYPE_CHECKING:
-    from .target import TargetAdapter
 
 # The walk asks the output layer for at most this many rows of a likely path at once; a round
 # commits about tau (~2-3) rows, and a further batch, when the walk gets that far, costs one more
@@ -46,36 +40,19 @@ def ancestor_matrix(tree: DraftTree) -> torch.Tensor:
     return vis
 
 
-@dataclass
-class Verified:
-    """What one verification commits."""
-
-    accepted_rows: list[int]  # rows of [root, tree] on the accepted path, root first
-    tokens: list[int]  # the committed tokens: the accepted draft tokens, then the next bonus token
-    next_bonus: int
-    features: torch.Tensor | None  # tapped target states of the accepted rows (the drafter's next context)
-
-    @property
-    def acceptance_length(self) -> int:
-        """tau of the round: accepted draft tokens + the bonus."""
-        return len(self.accepted_rows)
+def children_of(tree: DraftTree) -> dict[int, list[int]]:
+    """Rows (root = 0, node i = i + 1) -> their child rows, in node order."""
+    kids: dict[int, list[int]] = {}
+    for i, p in enumerate(tree.parents.tolist()):
+        kids.setdefault(p, []).append(i + 1)
+    return kids
 
 
-@torch.no_grad()
-def verify(target: "TargetAdapter", root: int, tree: DraftTree, sampler: "Sampler") -> Verified:
-    """Verify ``tree`` (rooted at the bonus token ``root``, the next token not yet in the target's
-    cache) with ONE target forward, walk it with the target's own choices, and compact the cache to
-    the accepted path. Every committed token is the target's own choice given the committed prefix,
-    so the output is exactly what the target alone would write."""
-    start = target.cache_length
-    tokens, depths = tree.rows(root)
-    mask = target.tree_mask(ancestor_matrix(tree)) if len(tree) else None
-    hidden, row_features = target.forward_tree_hidden(tokens, depths, mask)
-    accepted, next_bonus = walk(tree, lambda rows: sampler(target.lm_head(hidden[rows])).tolist())
-    keep = torch.tensor(accepted, device=tokens.device)
-    target.compact(start, keep)
-    features = row_features.index_select(0, keep) if row_features is not None else None
-    return Verified(accepted, tokens[keep[1:]].tolist() + [next_bonus], next_bonus, features)
+def first_ask(tree: DraftTree) -> list[int]:
+    """The rows whose choices the walk asks for first: the drafter's likely path from the root (at
+    most ``OUTPUT_ROWS_PER_ASK``). The round computes their logits for every request of the batch in
+    one output-layer product and hands the choices to ``walk`` as ``known``."""
+    return likely_path(tree, 0, children_of(tree))[:OUTPUT_ROWS_PER_ASK]
 
 
 def likely_path(tree: DraftTree, row: int, children_of: dict[int, list[int]]) -> list[int]:
@@ -89,7 +66,7 @@ def likely_path(tree: DraftTree, row: int, children_of: dict[int, list[int]]) ->
     return path
 
 
-def walk(tree: DraftTree, choose: Callable[[list[int]], list[int]]) -> tuple[list[int], int]:
+def walk(tree: DraftTree, choose: Callable[[list[int]], list[int]], known: dict[int, int] | None = None) -> tuple[list[int], int]:
     """The walk: from the root, follow the child carrying the target's choice at each row.
 
     ``choose(rows)`` returns the target's choices at those rows. The walk asks for the drafter's most
@@ -100,18 +77,18 @@ def walk(tree: DraftTree, choose: Callable[[list[int]], list[int]]) -> tuple[lis
     after its ancestors' choices led there, so asking lazily changes nothing (exactly at T = 0; at
     T > 0 each used draw is still an independent sample of the target at that row).
 
+    ``known``: choices already drawn, for the rows of ``first_ask(tree)`` (exactly what the walk's
+    first ask would draw, so the walk is the same with or without them).
+
     Returns the accepted rows (root first) and the next bonus token (the choice at the last one)."""
-    children_of: dict[int, list[int]] = {}
-    children: dict[tuple[int, int], int] = {}
-    for i, (p, t) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist())):
-        children_of.setdefault(p, []).append(i + 1)
-        children[(p, t)] = i + 1
-    choice: dict[int, int] = {}
+    kids = children_of(tree)
+    children = {(p, t): i + 1 for i, (p, t) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist()))}
+    choice: dict[int, int] = dict(known or {})
     accepted = [0]
     while True:
         row = accepted[-1]
         if row not in choice:
-            rows = likely_path(tree, row, children_of)[:OUTPUT_ROWS_PER_ASK]
+            rows = likely_path(tree, row, kids)[:OUTPUT_ROWS_PER_ASK]
             choice.update(zip(rows, choose(rows)))
         child = children.get((row, choice[row]))
         if child is None:
@@ -125,15 +102,22 @@ def follow_tree(tree: DraftTree, choices: torch.Tensor) -> tuple[list[int], int]
 
 
 class Sampler:
-    """The target's own choice: argmax at temperature 0, else a sample after temperature/top-k/top-p."""
+    """The target's own choice: argmax at temperature 0, else a sample after temperature/top-k/top-p.
+
+    A sample for the token at position p uses one uniform number u_p drawn from a generator seeded
+    by (seed, p) alone: the token is the first whose cumulative probability exceeds u_p. Every row
+    of a tree that chooses the token at p uses the same u_p, and only the row on the accepted path
+    is kept, so each committed token is an exact draw from the target given the committed prefix
+    (the u_p are independent), and a request's text depends only on its seed: not on the method, the
+    budget, or which requests share its forwards."""
 
     def __init__(self, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int | None = 0, device="cpu"):
         self.check(temperature, top_k, top_p)
         self.temperature = float(temperature)
         self.top_k = top_k
         self.top_p = top_p
-        self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(0 if seed is None else int(seed))
+        self.seed = 0 if seed is None else int(seed)
+        self.generator = torch.Generator(device="cpu")
 
     @staticmethod
     def check(temperature, top_k, top_p) -> None:
@@ -163,8 +147,17 @@ class Sampler:
             scores = scores.masked_fill(drop, -math.inf)
         return scores.softmax(-1)
 
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+    def uniform(self, position: int) -> float:
+        """u_p: the one uniform number in [0, 1) of the token at ``position``."""
+        self.generator.manual_seed((self.seed * 0x9E3779B97F4A7C15 + int(position)) % (1 << 63))
+        return float(torch.rand((), generator=self.generator, dtype=torch.float64))
+
+    def __call__(self, logits: torch.Tensor, positions: list[int]) -> torch.Tensor:
+        """The choices [n] for logits [n, V] of the tokens at ``positions`` [n]."""
         if self.greedy:
             return logits.argmax(-1)
-        probs = self.probabilities(logits)
-        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+        cdf = self.probabilities(logits).cumsum(-1)
+        u = torch.tensor([self.uniform(p) for p in positions], dtype=torch.float64, device=cdf.device)
+        # Scaled by the total so that rounding in the cumulative sum cannot step past the last token.
+        choice = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)
+        return choice.clamp(max=cdf.shape[-1] - 1)

@@ -1,101 +1,199 @@
-"""Load figure for `dartree serve`: N concurrent clients x M streamed requests on the default model.
+"""Load figure: `dartree serve` against `llama-server` (same slots) at several concurrencies, one run.
 
-Starts the server in this process (uvicorn in a thread on a free port, like the tests), sends the
-requests with the real `openai` client, and reports requests completed, p50 / p95 latency and time
-to first token, generated tokens per second, and the process's resident memory before and after.
+    bash scripts/build_llama_cpp.sh     # once per machine, for the llama.cpp columns
+    .venv/bin/python scripts/serve_load.py --threads 2 --concurrency 1,2,4,8,16 --prompts 24 --max-tokens 96 \
+        --out docs/results/serve-load
 
-    .venv/bin/python scripts/serve_load.py --clients 4 --requests 3 --max-tokens 64 --out docs/results/serve-load
+For each concurrency C, C clients send the held-out chat prompts (the first turns of seeded samples
+of the seven benchmarks, each prompt once, streamed, T = 0) through the OpenAI API to
+
+- dartree's server on the default model (in this process, ``--max-batch C``) for each of
+  ``--methods`` (budget auto where the method is ranked), and
+- ``llama-server -np C`` on the F32 GGUF of the same weights and on the shipped Q4_1 file.
+
+Reported per (engine, C): throughput (completion tokens over the wall time from the first request
+to the last answer), p50/p95 latency, p50 time to first token, resident memory, and for dartree how
+many answers differ from the same request served at C = 1. Writes summary.json, records.jsonl,
+README.md (a table) and load.png.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import statistics
+import subprocess
 import sys
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+ROOT = Path(__file__).resolve().parent.parent
+LLAMA = ROOT / ".cache" / "llama.cpp"
+sys.path.insert(0, str(ROOT / "tests"))
 
-PROMPTS = ["What is 12 times 7?", "Name a fruit that is yellow.", "Write one sentence about the sea.",
-           "What is the capital of France?", "Give a synonym of 'quick'.", "Count from 1 to 5."]
 
-
-def rss_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
+def rss_mb(pid: int | str = "self") -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return float("nan")
 
 
+def start_llama(gguf: Path, threads: int, slots: int, port: int, extra: tuple[str, ...] = ()) -> subprocess.Popen | None:
+    env = dict(os.environ, LD_LIBRARY_PATH=str(LLAMA / "bin"))
+    proc = subprocess.Popen([str(LLAMA / "bin" / "llama-server"), "-m", str(gguf), "-t", str(threads), "-tb", str(threads),
+                             "-c", str(2048 * slots), "-np", str(slots), "--port", str(port), "--host", "127.0.0.1",
+                             "-ngl", "0", *extra], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(240):
+        if proc.poll() is not None:
+            return None  # died (seen: Q4_1 repacking hit an illegal instruction in a KVM guest with AMX flags)
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    return None
+
+
+def run_clients(base_url: str, model: str, prompts: list[str], clients: int, max_tokens: int, extra: dict) -> tuple[list[dict], float]:
+    """Each prompt once, ``clients`` at a time, streamed; returns per-request records and the wall time."""
+    from openai import OpenAI
+
+    def one(i: int) -> dict:
+        api = OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=3600)
+        t0 = time.perf_counter()
+        first, text, usage = None, "", None
+        stream = api.chat.completions.create(model=model, messages=[{"role": "user", "content": prompts[i]}],
+                                             max_tokens=max_tokens, temperature=0, stream=True,
+                                             stream_options={"include_usage": True}, extra_body=extra)
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                first = first or time.perf_counter()
+                text += chunk.choices[0].delta.content
+            if chunk.usage is not None:
+                usage = chunk.usage
+        end = time.perf_counter()
+        return {"prompt_index": i, "latency_s": end - t0, "ttft_s": (first or end) - t0, "text": text,
+                "completion_tokens": usage.completion_tokens if usage else None}
+
+    one(0)  # warm-up (not counted)
+    start = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        records = list(pool.map(one, range(len(prompts))))
+    return records, time.perf_counter() - start
+
+
+def summarize(records: list[dict], wall: float) -> dict:
+    lat = sorted(r["latency_s"] for r in records)
+    tokens = sum(r["completion_tokens"] for r in records)
+    return {"tokens_per_second": round(tokens / wall, 1), "completion_tokens": tokens, "wall_s": round(wall, 2),
+            "p50_latency_s": round(statistics.median(lat), 2), "p95_latency_s": round(lat[min(len(lat) - 1, int(0.95 * len(lat)))], 2),
+            "p50_ttft_s": round(statistics.median(r["ttft_s"] for r in records), 3)}
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--clients", type=int, default=4)
-    ap.add_argument("--requests", type=int, default=3, help="requests per client")
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--out", help="folder for results.json and README numbers")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--concurrency", default="1,2,4,8,16")
+    ap.add_argument("--prompts", type=int, default=24)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--methods", default="ar,dartree", help="dartree methods to serve (budget auto where ranked)")
+    ap.add_argument("--no-llama", action="store_true", help="skip the llama.cpp columns")
+    ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
     import torch
-    from openai import OpenAI
     from test_server import LiveServer
 
     import dartree
+    from dartree.bench.datasets import DATASETS, load_samples, select
+    from dartree.default_model import gguf_path
     from dartree.hardware import describe_machine
     from dartree.server import create_app
 
+    per = -(-args.prompts // len(DATASETS))
+    prompts = [s.turns[0] for ds in DATASETS for s in select(load_samples(ds), per)][: args.prompts]
+    levels = [int(c) for c in args.concurrency.split(",")]
     pipe = dartree.load(threads=args.threads)
-    pipe.cost_model()  # measured (or read from the cache) before the clock starts
-    app = create_app(pipe, max_queue=args.clients * args.requests)
-    results = []
-    with LiveServer(app) as server:
-        api = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=3600)
-        api.chat.completions.create(model="dartree", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)  # warm-up
-        before = rss_mb()
+    pipe.cost_model()  # measured (or read from the cache) before any clock starts
+    rows, records = [], []
+    alone: dict[str, dict[int, str]] = {}
+    for method in args.methods.split(","):
+        defaults = dartree.GenerationSettings(method=method, max_new_tokens=args.max_tokens)
+        for c in levels:
+            with LiveServer(create_app(pipe, defaults, model_name="dartree", max_queue=len(prompts), max_batch=c)) as server:
+                recs, wall = run_clients(server.url + "/v1", "dartree", prompts, c, args.max_tokens, {})
+            if c == levels[0]:
+                alone[method] = {r["prompt_index"]: r["text"] for r in recs}
+            row = {"engine": f"dartree {method}", "concurrency": c, **summarize(recs, wall), "rss_mb": round(rss_mb(), 0),
+                   "answers_differing_from_alone": sum(r["text"] != alone[method][r["prompt_index"]] for r in recs)}
+            rows.append(row)
+            records += [{"engine": row["engine"], "concurrency": c, **r} for r in recs]
+            print(json.dumps(row), flush=True)
+    if not args.no_llama:
+        f32 = LLAMA / "SmolLM2-135M-Instruct.F32.gguf"
+        if not (LLAMA / "bin" / "llama-server").is_file() or not f32.is_file():
+            raise SystemExit("llama.cpp is not built here; run `bash scripts/build_llama_cpp.sh` first (or pass --no-llama)")
+        for label, gguf, port in (("llama.cpp F32", f32, 18091), ("llama.cpp Q4_1", gguf_path(), 18092)):
+            for c in levels:
+                extra: tuple[str, ...] = ()
+                proc = start_llama(gguf, args.threads, c, port)
+                if proc is None:
+                    extra = ("--no-repack",)
+                    proc = start_llama(gguf, args.threads, c, port, extra)
+                if proc is None:
+                    raise RuntimeError(f"llama-server on {gguf} did not come up")
+                try:
+                    recs, wall = run_clients(f"http://127.0.0.1:{port}/v1", "x", prompts, c, args.max_tokens,
+                                             {"top_k": 1, "seed": 0, "cache_prompt": False})
+                    row = {"engine": label, "concurrency": c, **summarize(recs, wall), "rss_mb": round(rss_mb(proc.pid), 0),
+                           "server_flags": " ".join(extra)}
+                finally:
+                    proc.send_signal(signal.SIGINT)
+                    proc.wait(timeout=30)
+                rows.append(row)
+                records += [{"engine": label, "concurrency": c, **r} for r in recs]
+                print(json.dumps(row), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = {"machine": describe_machine(), "threads": args.threads, "torch": torch.__version__, "prompts": len(prompts),
+               "max_tokens": args.max_tokens, "command": " ".join(sys.argv), "rows": rows}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    (out / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    f32_at = {r["concurrency"]: r["tokens_per_second"] for r in rows if r["engine"] == "llama.cpp F32"}
+    lines = ["| engine | clients | tok/s | x llama.cpp F32 | p50 latency s | p95 s | p50 TTFT s | RSS MB | answers != alone |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        ratio = f"{r['tokens_per_second'] / f32_at[r['concurrency']]:.2f}" if r["concurrency"] in f32_at else "-"
+        lines.append(f"| {r['engine']} | {r['concurrency']} | {r['tokens_per_second']} | {ratio} | {r['p50_latency_s']} | "
+                     f"{r['p95_latency_s']} | {r['p50_ttft_s']} | {r['rss_mb']:.0f} | {r.get('answers_differing_from_alone', '-')} |")
+    (out / "table.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    import matplotlib
 
-        def one(i: int) -> dict:
-            t0 = time.perf_counter()
-            first, text, usage = None, "", None
-            stream = api.chat.completions.create(
-                model="dartree", messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], temperature=0,
-                max_tokens=args.max_tokens, stream=True, stream_options={"include_usage": True})
-            for chunk in stream:
-                if chunk.choices and chunk.choices[0].delta.content:
-                    first = first or time.perf_counter() - t0
-                    text += chunk.choices[0].delta.content
-                if chunk.usage is not None:
-                    usage = chunk.usage
-            return {"latency_s": time.perf_counter() - t0, "ttft_s": first, "tokens": usage.completion_tokens if usage else 0,
-                    "tau": usage.model_extra.get("mean_acceptance_length") if usage else None}
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
-        start = time.perf_counter()
-        with ThreadPoolExecutor(args.clients) as pool:
-            results = list(pool.map(one, range(args.clients * args.requests)))
-        wall = time.perf_counter() - start
-        after = rss_mb()
-
-    lat = sorted(r["latency_s"] for r in results)
-    ttft = sorted(r["ttft_s"] for r in results if r["ttft_s"] is not None)
-    pct = lambda xs, q: xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]  # noqa: E731
-    summary = {
-        "machine": describe_machine(), "threads": torch.get_num_threads(),
-        "clients": args.clients, "requests_per_client": args.requests, "max_tokens": args.max_tokens,
-        "completed": len(results), "sent": args.clients * args.requests,
-        "latency_p50_s": pct(lat, 0.5), "latency_p95_s": pct(lat, 0.95),
-        "ttft_p50_s": pct(ttft, 0.5), "ttft_p95_s": pct(ttft, 0.95),
-        "tokens": sum(r["tokens"] for r in results), "wall_s": wall,
-        "tokens_per_s": sum(r["tokens"] for r in results) / wall,
-        "mean_tau": statistics.mean(r["tau"] for r in results if r["tau"] is not None),
-        "rss_mb_before": before, "rss_mb_after": after,
-    }
-    print(json.dumps(summary, indent=2))
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps({"summary": summary, "requests": results}, indent=2) + "\n")
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for engine in dict.fromkeys(r["engine"] for r in rows):
+        rs = [r for r in rows if r["engine"] == engine]
+        ax1.plot([r["concurrency"] for r in rs], [r["tokens_per_second"] for r in rs], marker="o", label=engine)
+        ax2.plot([r["concurrency"] for r in rs], [r["p50_latency_s"] for r in rs], marker="o", label=engine)
+    for ax, title in ((ax1, "throughput (completion tokens / s)"), (ax2, "p50 latency (s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    ax1.legend(fontsize=8)
+    fig.suptitle(f"{len(prompts)} held-out chat prompts, {args.max_tokens} tokens, T = 0, {args.threads} threads", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out / "load.png", dpi=110)
 
 
 if __name__ == "__main__":

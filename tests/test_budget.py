@@ -182,15 +182,15 @@ def test_auto_budget_switches_mid_generation_and_stays_exact(pipelines):
     pipe._budgets.clear()
     pipe._cost_model = synthetic_cost(1.0, 0.0)
     calls = {"n": 0}
-    policy_cut = AdaptiveBudget.cut
+    policy_apply = AdaptiveBudget.apply
 
-    def cut_then_get_expensive(self, tree):
+    def apply_then_get_expensive(self, tree, choice):
         calls["n"] += 1
         if calls["n"] == 3:
             self.cost = synthetic_cost(1.0, 50.0)
-        return policy_cut(self, tree)
+        return policy_apply(self, tree, choice)
 
-    AdaptiveBudget.cut = cut_then_get_expensive
+    AdaptiveBudget.apply = apply_then_get_expensive
     try:
         for prompt in ([1, 2, 3], [5], [0, 7, 7, 1]):
             pipe._budgets.clear()
@@ -201,7 +201,7 @@ def test_auto_budget_switches_mid_generation_and_stays_exact(pipelines):
             assert got.token_ids == hf_greedy(pipe.model, prompt, 30)
             assert max(history[:2]) > 1 and min(history[3:]) <= 0
     finally:
-        AdaptiveBudget.cut = policy_cut
+        AdaptiveBudget.apply = policy_apply
     pipe._cost_model = None
     pipe._budgets.clear()
 
@@ -246,3 +246,27 @@ def test_calibrate_prints_the_cost_table_and_draws_it(model_dirs, tmp_path, monk
     assert len(list((tmp_path / "cache" / "costmodel").glob("*.json"))) == 1
     assert main(argv + ["--json"]) == 0  # the second call reads the cache
     assert '"verify_ms"' in capsys.readouterr().out
+
+
+def test_one_budget_across_a_batch_speculates_less_as_rows_stop_being_free():
+    """choose_batch: with one request it is the single-request choice; as the batch grows under a
+    cost model whose forward gets expensive past 16 rows, each request gets fewer nodes, and none
+    at all where the rows cost more than they bring; the best nodes of the batch are the ones taken."""
+    from dartree.budget import choose_batch
+
+    cost = CostModel({"machine": "synthetic"}, 256, {1: 10.0, 16: 11.0, 32: 30.0, 64: 70.0, 128: 150.0})
+    trees = [ranked_tree([0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2]) for _ in range(16)]
+    for tree in trees[:4]:
+        policy = AdaptiveBudget(cost)
+        assert choose_batch([(policy, tree)], 1, 1.0)[0] == policy.choose(tree)
+    per_request = []
+    for k in (1, 2, 4, 8, 16):
+        choices = choose_batch([(AdaptiveBudget(cost), t) for t in trees[:k]], k, float(k))
+        assert max(c.nodes for c in choices) - min(c.nodes for c in choices) <= 1  # equal trees share alike
+        per_request.append(sum(c.nodes for c in choices) / k)
+    assert per_request[0] == 8 and per_request == sorted(per_request, reverse=True) and per_request[-1] == 0
+    # Unequal requests: the more likely nodes win the rows.
+    good, poor = ranked_tree([0.95, 0.9, 0.85, 0.8]), ranked_tree([0.2, 0.1, 0.05, 0.01])
+    items = [(AdaptiveBudget(cost), good)] + [(AdaptiveBudget(cost), poor)] + [(AdaptiveBudget(cost), ranked_tree([0.9] * 4)) for _ in range(6)]
+    chosen = choose_batch(items, 8, 8.0)
+    assert chosen[0].nodes >= chosen[1].nodes and chosen[1].nodes == 0

@@ -98,16 +98,16 @@ def test_first_round_accepts_drafts(small_pipes):
 
 def test_a_draft_trusting_walk_is_caught(small_pipes, truth, monkeypatch):
     """Wrong rule: follow the first child unconditionally. The test must reject it."""
-    from dartree import verify
+    from dartree import engine
 
-    def trusting_walk(tree, choose):
+    def trusting_walk(tree, choose, known=None):
         accepted = [0]
         kids = [i + 1 for i, p in enumerate(tree.parents.tolist()) if p == 0]
         if kids:
             accepted.append(kids[0])
         return accepted, choose([accepted[-1]])[0]
 
-    monkeypatch.setattr(verify, "walk", trusting_walk)
+    monkeypatch.setattr(engine, "walk", trusting_walk)
     rejected, stat, crit = chi_square_rejects(empirical(small_pipes["domino"], "dartree"), truth, SAMPLES)
     assert rejected, f"wrong rule not detected: {stat:.1f} <= {crit:.1f}"
 

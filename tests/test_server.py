@@ -60,7 +60,7 @@ def served(tmp_path_factory):
     pipe = dartree.load(target, drafter, dtype=torch.float64)
     reference = dartree.load(target, drafter, dtype=torch.float64)  # the engine thread owns `pipe`
     defaults = dartree.GenerationSettings(max_new_tokens=24, tree=dartree.TreeSettings(budget=8))
-    with LiveServer(create_app(pipe, defaults, model_name="tiny", max_queue=32)) as server:
+    with LiveServer(create_app(pipe, defaults, model_name="tiny", max_queue=32, max_batch=4)) as server:
         yield server, reference
 
 
@@ -149,9 +149,39 @@ def test_sixteen_concurrent_clients_get_their_own_answers(served):
             return "".join(c.choices[0].delta.content or "" for c in api.chat.completions.create(stream=True, **kwargs) if c.choices)
         return api.chat.completions.create(**kwargs).choices[0].message.content
 
+    rounds, requests_in_rounds = _metric(server, "dartree:batch_size_count"), _metric(server, "dartree:batch_size_sum")
     with ThreadPoolExecutor(16) as pool:
         got = list(pool.map(ask, range(16)))
     assert got == wants
+    rounds = _metric(server, "dartree:batch_size_count") - rounds
+    requests_in_rounds = _metric(server, "dartree:batch_size_sum") - requests_in_rounds
+    assert requests_in_rounds / rounds > 1.5  # the requests were decoded together (at most 4 a round)
+
+
+def test_sampled_answers_under_concurrency_equal_each_request_alone(served):
+    """T > 0: each request's own seed gives its text whatever shares its rounds; ``top_k`` is
+    sampling top-k (as in vLLM) and ``tree_top_k`` DARTree's K."""
+    server, reference = served
+    cases = [dict(seed=s, top_k=k, tree_top_k=tk) for s, k, tk in [(0, -1, 2), (1, 3, 4), (2, 2, 2), (3, -1, 3), (4, 5, 2), (5, 1, 4)]]
+    messages = [{"role": "user", "content": "w3 w1"}]
+
+    def alone(case):
+        return reference.generate(messages=messages, method="dartree", max_new_tokens=10, temperature=1.0, seed=case["seed"],
+                                  sampling_top_k=case["top_k"] if case["top_k"] > 0 else None, top_k=case["tree_top_k"],
+                                  budget=8, stop_token_ids=[]).text
+
+    def ask(case):
+        body = {"model": "tiny", "messages": messages, "max_tokens": 10, "temperature": 1.0, "method": "dartree", **case}
+        response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["message"]["content"]
+
+    with ThreadPoolExecutor(len(cases)) as pool:
+        got = list(pool.map(ask, cases))
+    assert got == [alone(c) for c in cases]
+    assert len(set(got)) > 1
+    greedy_like = ask(dict(seed=9, top_k=1, tree_top_k=2))  # sampling top-1 is greedy decoding
+    assert greedy_like == ar_text(reference, messages, n=10)[0]
 
 
 def test_a_disconnect_mid_stream_frees_the_engine(served):
@@ -209,7 +239,8 @@ def test_metrics_count_what_was_served(served):
     assert _metric(server, "dartree:generation_tokens_total") == before_tokens + 10
     text = httpx.get(server.url + "/metrics").text
     for name in ("dartree:spec_decode_num_drafts_total", "dartree:spec_decode_num_accepted_tokens_total",
-                 "dartree:mean_acceptance_length", "dartree:num_requests_waiting", "dartree:time_per_output_token_seconds"):
+                 "dartree:mean_acceptance_length", "dartree:num_requests_waiting", "dartree:time_per_output_token_seconds",
+                 "dartree:num_requests_running", "dartree:batch_size_bucket"):
         assert name in text
 
 
@@ -238,19 +269,19 @@ def test_a_full_queue_is_a_429_and_an_internal_error_a_500_then_service_goes_on(
     server, reference = served
     pipe = reference  # a second server on the reference pipeline, with a queue of one
     release, calls = threading.Event(), {"n": 0}
-    real_generate = type(pipe).generate
+    real_request = type(pipe).request
 
     def gated(self, *args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 1:
-            release.wait(60)  # hold the engine on the first request
+            release.wait(60)  # hold the engine thread on the first request
         if calls["n"] == 2:  # the queued request (the rejected one never reaches the engine)
             raise RuntimeError("simulated failure")
-        return real_generate(self, *args, **kwargs)
+        return real_request(self, *args, **kwargs)
 
     body = {"model": "tiny", "messages": [{"role": "user", "content": "w1 w2"}], "max_tokens": 4, "temperature": 0}
     try:
-        pipe.generate = gated.__get__(pipe)
+        pipe.request = gated.__get__(pipe)
         with LiveServer(create_app(pipe, model_name="tiny", max_queue=1)) as second, ThreadPoolExecutor(2) as pool:
             first = pool.submit(httpx.post, second.url + "/v1/chat/completions", json=body, timeout=60)
             time.sleep(0.5)  # the engine holds the first request
@@ -265,4 +296,4 @@ def test_a_full_queue_is_a_429_and_an_internal_error_a_500_then_service_goes_on(
             again = httpx.post(second.url + "/v1/chat/completions", json=body, timeout=60)
             assert again.status_code == 200 and again.json()["choices"][0]["message"]["content"]
     finally:
-        del pipe.generate
+        del pipe.request

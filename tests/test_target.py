@@ -134,25 +134,40 @@ def test_walk_follows_matching_children():
     assert accepted == [0] and bonus == 3
 
 
-def test_verify_commits_the_greedy_path_and_compacts_the_cache(hf_model):
-    """verify(): one forward over [root, tree], the walk, the compaction. A tree holding the greedy
-    continuation among decoys commits exactly that continuation and leaves the cache as if the
-    committed tokens had been fed one by one."""
+def test_a_round_commits_the_greedy_path_and_compacts_the_cache(hf_model):
+    """The round's verify: one forward over [root, tree], the walk, the compaction. A tree holding
+    the greedy continuation among decoys commits exactly that continuation and leaves the cache as if
+    the committed tokens had been fed one by one."""
     from conftest import hf_greedy
-    from dartree.trees import DraftTree
-    from dartree.verify import Sampler, verify
+    from dartree.engine import Request, run_round
+    from dartree.trees import DraftTree, TreeBuilder, TreeSettings
+    from dartree.verify import Sampler
 
     prefix, root = [4, 0, 6], 2
     greedy = hf_greedy(hf_model, prefix + [root], 4)
     decoy = [(t + 1) % 8 for t in greedy]
     # rows: 1 decoy(d1), 2 greedy[0], 3 decoy(d2) under 2, 4 greedy[1] under 2, 5 greedy[2] under 4
     tree = DraftTree.from_lists([decoy[0], greedy[0], decoy[1], greedy[1], greedy[2]], [0, 0, 2, 2, 4], [1, 1, 2, 2, 3])
+
+    class FixedTree(TreeBuilder):
+        name = "fixed"
+
+        def build(self, draft, head, size):
+            return tree
+
+    class NoDraft:
+        def draft(self, bonus, features, start):
+            assert bonus == root and start == len(prefix) and features.shape[0] == len(prefix)
+
     adapter = TargetAdapter(hf_model, [1])
-    adapter.prefill(torch.tensor(prefix))
-    out = verify(adapter, root, tree, Sampler(0.0))
-    assert out.accepted_rows == [0, 2, 4, 5]
-    assert out.tokens == greedy[:4] and out.next_bonus == greedy[3] and out.acceptance_length == 4
-    assert out.features.shape[0] == 4
+    adapter.capture = True
+    _, features = adapter.prefill(torch.tensor(prefix))
+    request = Request(torch.tensor(prefix), FixedTree(TreeSettings()), Sampler(0.0), 10, set(), proposer=NoDraft(),
+                      slot=0, output=[root], prefilled=len(prefix), bonus=root, pending=[features])
+    run_round(adapter, [request])
+    assert request.stats.acceptance_lengths == [4] and request.stats.tree_sizes == [5]
+    assert request.output == [root] + greedy[:4] and request.bonus == greedy[3]
+    assert request.pending[0].shape[0] == 4  # the accepted rows' tapped states, for the drafter
     assert adapter.cache_length == len(prefix) + 4
     fresh = TargetAdapter(hf_model, [])
     fresh.prefill(torch.tensor(prefix + [root] + greedy[:3]))

@@ -1,0 +1,149 @@
+"""The batched engine: requests joining and leaving between rounds, one forward over all of them,
+each request's text equal to the text it gets alone (T = 0 and T > 0, float64 and float32), a
+cancelled request's text a prefix of it, and the round's finish reasons."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import dartree
+from conftest import synthetic_cost
+from dartree.engine import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP
+from dartree.lean import LeanTarget
+from dartree.settings import GenerationSettings
+from dartree.trees import available_methods
+
+METHODS = available_methods(True, True)
+
+
+@pytest.fixture(scope="module", params=[torch.float64, torch.float32], ids=["fp64", "fp32"])
+def lean_pipe(request, model_dirs):
+    pipe = dartree.load(model_dirs[("llama", "target")], model_dirs[("llama", "domino")], dtype=request.param)
+    assert isinstance(pipe.target, LeanTarget)
+    pipe._cost_model = synthetic_cost(1.0, 0.05, draft_ms=0.5, tree_ms=0.2)  # speculation pays, but not without limit
+    return pipe
+
+
+request_strategy = st.fixed_dictionaries({
+    "prompt": st.lists(st.integers(0, 7), min_size=1, max_size=10),
+    "method": st.sampled_from(METHODS),
+    "budget": st.sampled_from([3, 12, "auto"]),
+    "max_new_tokens": st.integers(1, 20),
+    "temperature": st.sampled_from([0.0, 0.0, 1.0]),
+    "seed": st.integers(0, 5),
+    "join": st.integers(0, 6),  # the round before which it is submitted
+    "cancel": st.one_of(st.none(), st.integers(1, 8)),  # the round after which its client goes away
+})
+
+
+def _settings(spec) -> GenerationSettings:
+    return GenerationSettings.from_kwargs(None, method=spec["method"], budget=spec["budget"], seed=spec["seed"],
+                                          max_new_tokens=spec["max_new_tokens"], temperature=spec["temperature"]).validate()
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(specs=st.lists(request_strategy, min_size=1, max_size=6), max_batch=st.integers(1, 4))
+def test_a_request_gets_its_text_alone_whatever_shares_its_rounds(lean_pipe, specs, max_batch):
+    pipe = lean_pipe
+    alone = [pipe.generate(input_ids=s["prompt"], settings=_settings(s), stop_token_ids=[]).token_ids for s in specs]
+    engine = pipe.engine(max_batch)
+    streamed = [[] for _ in specs]
+    cancelled = [False] * len(specs)
+    requests = [pipe.request(torch.tensor(s["prompt"]), _settings(s), [], on_tokens=streamed[i].extend,
+                             cancelled=lambda i=i: cancelled[i], alone=False) for i, s in enumerate(specs)]
+    step = 0
+    while step <= 6 or engine.busy:
+        for i, s in enumerate(specs):
+            if s["join"] == step:
+                engine.submit(requests[i])
+            if s["cancel"] == step:
+                cancelled[i] = True
+        engine.step()
+        assert len(engine.active) <= max_batch
+        step += 1
+        assert step < 500
+    for spec, r, ref, got in zip(specs, requests, alone, streamed):
+        assert r.finished and got == r.output
+        if r.stats.finish_reason == FINISH_CANCELLED:
+            assert r.output == ref[:len(r.output)]
+        else:
+            assert r.stats.finish_reason == FINISH_LENGTH and r.output == ref, spec
+    assert max(engine.batch_sizes, default=0) <= max_batch
+
+
+def test_requests_share_forwards_and_finish_with_their_reasons(lean_pipe):
+    """Four requests in one engine: every round is one target forward over all active requests;
+    a stop token, the length limit and a cancellation each end a request with its own reason."""
+    pipe = lean_pipe
+    settings_ = _settings({"method": "dartree", "budget": 8, "seed": 0, "max_new_tokens": 12, "temperature": 0.0})
+    prompts = [[1, 2, 3], [4], [5, 6, 7, 0, 1], [2, 2]]
+    refs = [pipe.generate(input_ids=p, settings=settings_, stop_token_ids=[]).token_ids for p in prompts]
+    stop_token = refs[0][3]
+    flag = {"cancel": False}
+    forwards = []
+    original = pipe.target.forward_parts
+    pipe.target.forward_parts = lambda parts: forwards.append(len(parts)) or original(parts)
+    try:
+        engine = pipe.engine(4)
+        reqs = [pipe.request(torch.tensor(prompts[0]), settings_, [stop_token], alone=False)]
+        reqs += [pipe.request(torch.tensor(p), settings_, [], alone=False) for p in prompts[1:3]]
+        reqs.append(pipe.request(torch.tensor(prompts[3]), settings_, [], cancelled=lambda: flag["cancel"], alone=False))
+        for r in reqs:
+            engine.submit(r)
+        engine.step()
+        flag["cancel"] = True
+        engine.run()
+    finally:
+        pipe.target.forward_parts = original
+    assert forwards[0] == 4 and max(forwards) == 4 and len(forwards) == engine.rounds
+    first_stop = refs[0].index(stop_token)
+    assert reqs[0].output == refs[0][:first_stop + 1] and reqs[0].stats.finish_reason == FINISH_STOP
+    assert reqs[1].output == refs[1] and reqs[1].stats.finish_reason == FINISH_LENGTH
+    assert reqs[2].output == refs[2]
+    assert reqs[3].stats.finish_reason == FINISH_CANCELLED and reqs[3].output == refs[3][:len(reqs[3].output)]
+    assert engine.free == [0, 1, 2, 3] and not engine.busy
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_beside_decoding_requests(lean_pipe):
+    """A prompt joining busy rounds goes in PREFILL_ROWS_BESIDE_DECODING rows a round, so the
+    others' tokens keep coming; its text is still its text alone."""
+    from dartree.engine import PREFILL_ROWS_BESIDE_DECODING
+
+    pipe = lean_pipe
+    settings_ = _settings({"method": "ar", "budget": 8, "seed": 0, "max_new_tokens": 30, "temperature": 0.0})
+    long_prompt = [(3 * i + 1) % 8 for i in range(2 * PREFILL_ROWS_BESIDE_DECODING + 5)]
+    ref_long = pipe.generate(input_ids=long_prompt, settings=settings_, stop_token_ids=[]).token_ids
+    ref_short = pipe.generate(input_ids=[1, 2], settings=settings_, stop_token_ids=[]).token_ids
+    engine = pipe.engine(2)
+    short = pipe.request(torch.tensor([1, 2]), settings_, [], alone=False)
+    long = pipe.request(torch.tensor(long_prompt), settings_, [], alone=False)
+    engine.submit(short)
+    engine.step()
+    engine.submit(long)
+    progress = []
+    while long.prefilling:
+        engine.step()
+        progress.append((long.prefilled, len(short.output)))
+    assert [p for p, _ in progress] == [64, 128, 133]
+    assert [n for _, n in progress] == [2, 3, 4]  # the short request committed a token every round
+    engine.run()
+    assert long.output == ref_long and short.output == ref_short
+
+
+def test_a_request_that_fails_ends_alone_and_the_others_go_on(lean_pipe):
+    pipe = lean_pipe
+    settings_ = _settings({"method": "dartree", "budget": 8, "seed": 0, "max_new_tokens": 10, "temperature": 0.0})
+    ref = pipe.generate(input_ids=[3, 1], settings=settings_, stop_token_ids=[]).token_ids
+    engine = pipe.engine(3)
+    good = [pipe.request(torch.tensor([3, 1]), settings_, [], alone=False) for _ in range(2)]
+    bad = pipe.request(torch.tensor([3, 1]), settings_, [], alone=False)
+
+    def broken_draft(*args, **kwargs):
+        raise RuntimeError("drafter broke")
+
+    bad.proposer.draft = broken_draft
+    for r in (good[0], bad, good[1]):
+        engine.submit(r)
+    engine.run()
+    assert bad.stats.finish_reason == "error" and "drafter broke" in str(bad.error)
+    assert [r.output for r in good] == [ref, ref]
