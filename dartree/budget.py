@@ -40,6 +40,7 @@ class BudgetChoice:
     nodes: int  # tree nodes to verify (0: the root alone, a plain step)
     expected_tokens: float  # committed tokens expected from the round
     expected_ms: float  # the verification's time (the round's draft and tree are already paid)
+    worth: float = 1.0  # drafting's expected speed this round over plain steps' (< 1: drafting loses)
 
 
 @dataclass
@@ -126,9 +127,7 @@ class AdaptiveBudget:
 
     def apply(self, tree: DraftTree, choice: BudgetChoice) -> DraftTree:
         """Verify ``choice.nodes`` of ``tree`` this round, and decide from it whether the next rounds draft."""
-        # What drafting this round is worth, counted as whole rounds (what the next ones will cost).
-        worth = choice.expected_tokens / self.cost.round_ms(choice.nodes) * self.cost.verify(1)
-        self.value += self.smoothing * (worth - self.value)
+        self.value += self.smoothing * (choice.worth - self.value)
         if self.value < 1.0:
             # Back off: a drafter that keeps losing is probed ever less often (each probe costs a
             # drafter call and a tree build); a probe is judged afresh.
@@ -187,10 +186,22 @@ def choose_batch(items: list[tuple[AdaptiveBudget, DraftTree]], fixed_rows: int,
     counts = [0] * len(items)
     for i in order[:m]:
         counts[i] += 1
+    # What drafting was worth to each request, as its speed over plain steps'. Alone, the round's whole
+    # time is the request's: tokens / (draft + tree + forward) against a plain step's 1 / t(1). In a
+    # batch, its drafter call, tree and share of the extra rows against the tokens it adds, at the
+    # plain batch's rate: a request whose nodes lose the rows (or whose drafter call costs more than its
+    # tokens bring) backs off and takes plain steps until its next probe.
     choices = []
+    plain_rate = base_tokens / cost.verify(fixed_rows)
+    extra_ms = float(ms[m] - ms[0])
     for i, n in enumerate(counts):
         mine = float(1.0 + torch.cumsum(torch.tensor(probs[i][:n], dtype=torch.float64), 0)[-1]) if n else 1.0
-        choices.append(BudgetChoice(n, mine, float(ms[m])))
+        if len(items) == 1 and fixed_rows == 1:
+            worth = mine / cost.round_ms(n) * cost.verify(1)
+        else:
+            spent = cost.draft_ms + cost.tree_ms + (extra_ms * n / m if m else 0.0)
+            worth = (mine - 1.0) / spent / plain_rate if spent > 0 else 1.0
+        choices.append(BudgetChoice(n, mine, float(ms[m]), worth))
     return choices
 
 

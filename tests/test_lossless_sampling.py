@@ -113,11 +113,12 @@ def test_a_draft_trusting_walk_is_caught(small_pipes, truth, monkeypatch):
 
 
 def test_shared_noise_across_nodes_is_caught(small_pipes, truth, monkeypatch):
-    """Wrong rule: one uniform draw reused at every tree node (samples not independent)."""
+    """Wrong rule: one uniform number reused at every depth of a tree (the right rule shares u_p only
+    between rows choosing the same position p, of which one is kept): committed tokens not independent."""
 
-    def shared_noise(self, logits):
+    def shared_noise(self, logits, positions):
         probs = self.probabilities(logits)
-        u = torch.rand(1, generator=self.generator, dtype=probs.dtype)
+        u = self.uniform(positions[0])
         return (probs.cumsum(-1) < u).sum(-1).clamp(max=probs.shape[-1] - 1)
 
     monkeypatch.setattr(Sampler, "__call__", shared_noise)
