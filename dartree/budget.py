@@ -61,16 +61,24 @@ class AdaptiveBudget:
     plain_left: int = 0  # plain steps to take before the next probe
     lost_probes: int = 0  # consecutive back-offs without a winning round in between
     history: list[int] = field(default_factory=list)  # per round: nodes verified; 0: the root alone; -1: a plain step, no draft
+    parent: "AdaptiveBudget | None" = field(default=None, repr=False, compare=False)  # the policy it was forked from
 
     def __post_init__(self):
         self.predicted = [0.0] * (self.max_depth + 1)
         self.accepted = [0.0] * (self.max_depth + 1)
 
     def fork(self) -> "AdaptiveBudget":
-        """A policy for another request: the same settings and calibration so far, its own state."""
+        """A policy for another request: the same settings and calibration so far, its own state;
+        ``hand_back`` returns its calibration when the request ends, so the next requests start from it."""
         other = replace(self, history=[])
         other.predicted, other.accepted = list(self.predicted), list(self.accepted)
+        other.parent = self
         return other
+
+    def hand_back(self) -> None:
+        """The calibration this request learnt, for the policy it was forked from (the latest wins)."""
+        if self.parent is not None:
+            self.parent.predicted, self.parent.accepted = list(self.predicted), list(self.accepted)
 
     def start_request(self) -> None:
         """A new generation starts with speculation on; the calibration carries over."""

@@ -146,6 +146,8 @@ class Request:
         if self.finished:
             return
         self.stats.finish_reason = reason
+        if self.budget is not None:
+            self.budget.hand_back()
         self.output = truncate(self.output, self.max_new_tokens, self.stop_ids)
         self.stats.new_tokens = len(self.output)
         self.stats.rounds = len(self.stats.acceptance_lengths)

@@ -351,7 +351,8 @@ class LeanTarget:
             visible[:, :n] = p.visible.cpu()
             rows.append(Rows(p.tokens.cpu(), torch.full((n,), p.slot, dtype=torch.long), past + p.depths.cpu(),
                              past + torch.arange(n), torch.full((n,), past, dtype=torch.long), visible))
-        store.reserve(max(store.lengths[p.slot] + p.tokens.numel() for p in parts))
+        # every row's visibility spans ``width`` new rows after its own slot's committed length
+        store.reserve(max(store.lengths[p.slot] for p in parts) + width)
         batch = rows[0] if len(rows) == 1 else Rows(*(torch.cat(t) for t in zip(*(
             (r.tokens, r.slots, r.positions, r.cache_positions, r.past, r.visible) for r in rows))))
         hidden, feats = forward(self.weights, store, batch, self.tapped_layers if self.capture else ())

@@ -7,8 +7,8 @@
 For each concurrency C, C clients send the held-out chat prompts (the first turns of seeded samples
 of the seven benchmarks, each prompt once, streamed, T = 0) through the OpenAI API to
 
-- dartree's server on the default model (in this process, ``--max-batch C``) for each of
-  ``--methods`` (budget auto where the method is ranked), and
+- ``dartree serve --max-batch C`` on the default model (its own process, as llama-server is) for each
+  of ``--methods`` (budget auto where the method is ranked), and
 - ``llama-server -np C`` on the F32 GGUF of the same weights and on the shipped Q4_1 file.
 
 Reported per (engine, C): throughput (completion tokens over the wall time from the first request
@@ -33,7 +33,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA = ROOT / ".cache" / "llama.cpp"
-sys.path.insert(0, str(ROOT / "tests"))
 
 
 def rss_mb(pid: int | str = "self") -> float:
@@ -59,6 +58,23 @@ def start_llama(gguf: Path, threads: int, slots: int, port: int, extra: tuple[st
             time.sleep(0.5)
     proc.kill()
     return None
+
+
+def start_dartree(method: str, threads: int, slots: int, port: int, max_tokens: int) -> subprocess.Popen:
+    proc = subprocess.Popen([str(ROOT / ".venv" / "bin" / "dartree"), "serve", "--port", str(port), "--threads", str(threads),
+                             "--max-batch", str(slots), "--max-queue", "64", "--method", method, "--max-new-tokens", str(max_tokens)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(600):
+        if proc.poll() is not None:
+            raise RuntimeError("dartree serve exited")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("dartree serve did not come up")
 
 
 def run_clients(base_url: str, model: str, prompts: list[str], clients: int, max_tokens: int, extra: dict) -> tuple[list[dict], float]:
@@ -109,29 +125,30 @@ def main() -> None:
     args = ap.parse_args()
 
     import torch
-    from test_server import LiveServer
 
     import dartree
     from dartree.bench.datasets import DATASETS, load_samples, select
     from dartree.default_model import gguf_path
     from dartree.hardware import describe_machine
-    from dartree.server import create_app
 
     per = -(-args.prompts // len(DATASETS))
     prompts = [s.turns[0] for ds in DATASETS for s in select(load_samples(ds), per)][: args.prompts]
     levels = [int(c) for c in args.concurrency.split(",")]
-    pipe = dartree.load(threads=args.threads)
-    pipe.cost_model()  # measured (or read from the cache) before any clock starts
+    dartree.load(threads=args.threads).cost_model()  # measured (or read from the cache) before any clock starts
     rows, records = [], []
     alone: dict[str, dict[int, str]] = {}
     for method in args.methods.split(","):
-        defaults = dartree.GenerationSettings(method=method, max_new_tokens=args.max_tokens)
         for c in levels:
-            with LiveServer(create_app(pipe, defaults, model_name="dartree", max_queue=len(prompts), max_batch=c)) as server:
-                recs, wall = run_clients(server.url + "/v1", "dartree", prompts, c, args.max_tokens, {})
+            proc = start_dartree(method, args.threads, c, 18090, args.max_tokens)
+            try:
+                recs, wall = run_clients("http://127.0.0.1:18090/v1", "dartree", prompts, c, args.max_tokens, {})
+                memory = rss_mb(proc.pid)
+            finally:
+                proc.send_signal(signal.SIGINT)
+                proc.wait(timeout=30)
             if c == levels[0]:
                 alone[method] = {r["prompt_index"]: r["text"] for r in recs}
-            row = {"engine": f"dartree {method}", "concurrency": c, **summarize(recs, wall), "rss_mb": round(rss_mb(), 0),
+            row = {"engine": f"dartree {method}", "concurrency": c, **summarize(recs, wall), "rss_mb": round(memory, 0),
                    "answers_differing_from_alone": sum(r["text"] != alone[method][r["prompt_index"]] for r in recs)}
             rows.append(row)
             records += [{"engine": row["engine"], "concurrency": c, **r} for r in recs]

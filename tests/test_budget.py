@@ -270,3 +270,15 @@ def test_one_budget_across_a_batch_speculates_less_as_rows_stop_being_free():
     items = [(AdaptiveBudget(cost), good)] + [(AdaptiveBudget(cost), poor)] + [(AdaptiveBudget(cost), ranked_tree([0.9] * 4)) for _ in range(6)]
     chosen = choose_batch(items, 8, 8.0)
     assert chosen[0].nodes >= chosen[1].nodes and chosen[1].nodes == 0
+
+
+def test_a_forked_policy_has_its_own_state_and_hands_its_calibration_back():
+    shared = AdaptiveBudget(synthetic_cost(1.0, 0.1))
+    shared.observe(ranked_tree([0.9, 0.5]), [0, 1])
+    fork = shared.fork()
+    assert fork.predicted == shared.predicted and fork.history == [] and fork.predicted is not shared.predicted
+    fork.cut(ranked_tree([0.9, 0.8]))
+    fork.observe(ranked_tree([0.9, 0.8]), [0, 1, 2])
+    assert shared.history == [] and shared.predicted != fork.predicted
+    fork.hand_back()
+    assert shared.predicted == fork.predicted and shared.accepted == fork.accepted

@@ -147,3 +147,21 @@ def test_a_request_that_fails_ends_alone_and_the_others_go_on(lean_pipe):
     engine.run()
     assert bad.stats.finish_reason == "error" and "drafter broke" in str(bad.error)
     assert [r.output for r in good] == [ref, ref]
+
+
+def test_a_forward_grows_the_store_for_the_widest_part_beside_a_nearly_full_slot(lean_pipe):
+    """Rows see ``width`` new rows after their own slot's length: a one-row step in a nearly full slot
+    beside a prompt chunk needs room for the chunk's width there too."""
+    from dartree.engine import Part
+    from dartree.lean import KVStore
+
+    target = LeanTarget(lean_pipe.model, lean_pipe.target.tapped_layers, weights=lean_pipe.target.weights)
+    target.store = KVStore(target.weights, slots=2, capacity=16)
+    target.store.lengths = [14, 0]
+    chunk = torch.tensor([1, 2, 3, 4, 5, 6, 7, 0])
+    parts = [Part(0, torch.tensor([3]), torch.zeros(1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool)),
+             Part(1, chunk, torch.arange(8), torch.ones(8, 8, dtype=torch.bool).tril())]
+    together = target.forward_parts(parts)
+    assert target.store.capacity >= 14 + 8 and target.store.lengths == [15, 8]
+    alone = LeanTarget(lean_pipe.model, lean_pipe.target.tapped_layers, weights=lean_pipe.target.weights)
+    assert torch.equal(alone.forward_parts([parts[1]])[0][0], together[1][0])
