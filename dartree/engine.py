@@ -210,23 +210,27 @@ def run_round(target, requests: list[Request], head: CorrectionHead | None = Non
             clock.lap("tree")
     requests = [r for r in requests if not r.finished]
     decoding = [r for r in decoding if not r.finished]
+    # This round's prompt chunks: the prefilling requests in order, sharing ``prefill_rows``.
+    chunks: dict[int, int] = {}
+    left = prefill_rows
+    for r in requests:
+        if r.prefilling and left > 0:
+            chunks[id(r)] = min(left, r.prompt_ids.numel() - r.prefilled)
+            left -= chunks[id(r)]
     ranked = [r for r in decoding if r.budget is not None and id(r) in trees]
     if ranked:
-        chunks = [min(prefill_rows, r.prompt_ids.numel() - r.prefilled) for r in requests if r.prefilling]
-        fixed_rows = len(decoding) + sum(chunks) + sum(len(trees[id(r)]) for r in decoding if r.budget is None and id(r) in trees)
+        fixed_rows = len(decoding) + sum(chunks.values()) + sum(len(trees[id(r)]) for r in decoding if r.budget is None and id(r) in trees)
         for r, tree in zip(ranked, cut_batch([(r.budget, trees[id(r)]) for r in ranked], fixed_rows, float(len(decoding)))):
             trees[id(r)] = tree
         clock.lap("tree")
 
     # 3. one forward over every request's rows.
     parts, plans = [], []
-    left = prefill_rows
     for r in requests:
         if r.prefilling:
-            n = min(left, r.prompt_ids.numel() - r.prefilled) if left > 0 else 0
+            n = chunks.get(id(r), 0)
             if n == 0:
                 continue
-            left -= n
             parts.append(Part(r.slot, r.prompt_ids[r.prefilled:r.prefilled + n], torch.arange(n),
                               torch.ones(n, n, dtype=torch.bool).tril()))
             plans.append((r, None))

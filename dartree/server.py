@@ -23,6 +23,7 @@ import torch
 
 from .engine import FINISH_CANCELLED, FINISH_ERROR
 from .errors import DartreeError
+from .pipeline import GenerationResult
 from .settings import GenerationSettings
 
 # dartree's own settings as extra body fields -> their GenerationSettings names. ``top_k`` itself is
@@ -133,8 +134,6 @@ class Engine:
                 self._finish(r)
 
     def _finish(self, request) -> None:
-        from .pipeline import GenerationResult
-
         job = request.job
         reason = request.stats.finish_reason
         if reason == FINISH_CANCELLED:

@@ -42,39 +42,38 @@ def rss_mb(pid: int | str = "self") -> float:
     return float("nan")
 
 
+def wait_healthy(proc: subprocess.Popen, port: int, tries: int) -> bool:
+    """Poll the server's /health (half a second apart) until it answers 200; False (the process
+    killed) when it exits or does not come up in ``tries`` polls."""
+    for _ in range(tries):
+        if proc.poll() is not None:
+            return False
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                if r.status == 200:
+                    return True
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    return False
+
+
 def start_llama(gguf: Path, threads: int, slots: int, port: int, extra: tuple[str, ...] = ()) -> subprocess.Popen | None:
     env = dict(os.environ, LD_LIBRARY_PATH=str(LLAMA / "bin"))
     proc = subprocess.Popen([str(LLAMA / "bin" / "llama-server"), "-m", str(gguf), "-t", str(threads), "-tb", str(threads),
                              "-c", str(2048 * slots), "-np", str(slots), "--port", str(port), "--host", "127.0.0.1",
                              "-ngl", "0", *extra], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(240):
-        if proc.poll() is not None:
-            return None  # died (seen: Q4_1 repacking hit an illegal instruction in a KVM guest with AMX flags)
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
-                if r.status == 200:
-                    return proc
-        except OSError:
-            time.sleep(0.5)
-    proc.kill()
-    return None
+    # None when it died (seen: Q4_1 repacking hit an illegal instruction in a KVM guest with AMX flags)
+    return proc if wait_healthy(proc, port, 240) else None
 
 
 def start_dartree(method: str, threads: int, slots: int, port: int, max_tokens: int) -> subprocess.Popen:
     proc = subprocess.Popen([str(ROOT / ".venv" / "bin" / "dartree"), "serve", "--port", str(port), "--threads", str(threads),
                              "--max-batch", str(slots), "--max-queue", "64", "--method", method, "--max-new-tokens", str(max_tokens)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(600):
-        if proc.poll() is not None:
-            raise RuntimeError("dartree serve exited")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
-                if r.status == 200:
-                    return proc
-        except OSError:
-            time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("dartree serve did not come up")
+    if not wait_healthy(proc, port, 600):
+        raise RuntimeError("dartree serve did not come up")
+    return proc
 
 
 def run_clients(base_url: str, model: str, prompts: list[str], clients: int, max_tokens: int, extra: dict) -> tuple[list[dict], float]:
