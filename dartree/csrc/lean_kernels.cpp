@@ -230,10 +230,119 @@ inline T exp_neg(T x) {
 
 template <typename T>
 inline T silu(T g) {
-  // g * sigmoid(g), with exp only of non-positive arguments
-  if (g >= T(0)) return g / (T(1) + exp_neg(-g));
-  const T e = exp_neg(g);
-  return g * e / (T(1) + e);
+  // g * sigmoid(g), with exp only of non-positive arguments: e = exp(-|g|), then g / (1 + e) where
+  // g >= 0 and (g * e) / (1 + e) where g < 0
+  const T e = exp_neg(g >= T(0) ? -g : g);
+  return (g >= T(0) ? g : g * e) / (T(1) + e);
+}
+
+#if defined(__AVX512F__)
+// exp_neg and silu on 16 floats: the scalar code's operations, lane by lane (roundscale to nearest
+// is nearbyint, the power of two is built from the same bits), so a lane gives the scalar bits.
+inline __m512 exp_neg16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(float(-87.0)));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(float(1.4426950408889634))),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(float(-1.4286068203094172e-06)),
+                                   _mm512_fmadd_ps(n, _mm512_set1_ps(float(-0.693145751953125)), x));
+  const float c[] = {float(1.0 / 3628800.0), float(1.0 / 362880.0), float(1.0 / 40320.0), float(1.0 / 5040.0),
+                     float(1.0 / 720.0), float(1.0 / 120.0), float(1.0 / 24.0), float(1.0 / 6.0), 0.5f, 1.0f, 1.0f};
+  __m512 p = _mm512_set1_ps(float(1.0 / 39916800.0));
+  for (float ci : c) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(ci));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+inline __m512 silu16(__m512 g) {
+  const __mmask16 pos = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ);
+  const __m512 neg_abs = _mm512_mask_sub_ps(g, pos, _mm512_setzero_ps(), g);  // -g where g >= 0, else g
+  const __m512 e = exp_neg16(neg_abs);
+  const __m512 num = _mm512_mask_mov_ps(_mm512_mul_ps(g, e), pos, g);
+  return _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+#endif
+
+#if defined(__AVX512F__)
+// weighted_values for float and head_dim = 16 C, its C accumulator vectors kept in registers
+template <int C, typename EachKey>
+inline void weighted_values16(const float* p, const float* vbase, EachKey&& each_key, float total, float* o) {
+  __m512 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
+  each_key([&](int64_t i, int64_t pos) {
+    const float* v = vbase + pos * (16 * C);
+    const __m512 pi = _mm512_set1_ps(p[i]);
+    for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(pi, _mm512_loadu_ps(v + 16 * c), acc[c]);
+  });
+  const __m512 t = _mm512_set1_ps(total);
+  for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_div_ps(acc[c], t));
+}
+#endif
+
+// o[d] = (sum over the row's keys i, in cache order, of p_i * v_i[d], one fma each) / total
+template <typename T, typename EachKey>
+inline void weighted_values(const T* p, const T* vbase, EachKey&& each_key, T total, T* o, T* acc, int64_t hd) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    if (hd == 64) return weighted_values16<4>(p, vbase, each_key, total, o);
+    if (hd == 128) return weighted_values16<8>(p, vbase, each_key, total, o);
+  }
+#endif
+  for (int64_t d = 0; d < hd; ++d) acc[d] = 0;
+  each_key([&](int64_t i, int64_t pos) {
+    const T* v = vbase + pos * hd;
+    const T pi = p[i];
+    for (int64_t d = 0; d < hd; ++d) acc[d] = std::fma(pi, v[d], acc[d]);
+  });
+  for (int64_t d = 0; d < hd; ++d) o[d] = acc[d] / total;
+}
+
+// silu(gate) * up over one row of I values
+template <typename T>
+inline void swiglu_row(const T* gate, const T* up, T* out, int64_t I) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    for (; i + BLOCK <= I; i += BLOCK)
+      _mm512_storeu_ps(out + i, _mm512_mul_ps(silu16(_mm512_loadu_ps(gate + i)), _mm512_loadu_ps(up + i)));
+  }
+#endif
+  for (; i < I; ++i) out[i] = silu(gate[i]) * up[i];
+}
+
+// exp_neg in place over n values (the softmax numerators): 16 lanes at a time where there are
+// vectors, the scalar code for the rest (the same bits either way)
+template <typename T>
+inline void exp_neg_inplace(T* s, int64_t n, T shift) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    const __m512 sh = _mm512_set1_ps(shift);
+    for (; i + BLOCK <= n; i += BLOCK) _mm512_storeu_ps(s + i, exp_neg16(_mm512_sub_ps(_mm512_loadu_ps(s + i), sh)));
+  }
+#endif
+  for (; i < n; ++i) s[i] = exp_neg(s[i] - shift);
+}
+
+// sum of n values in a fixed order that depends only on n: 16 lanes (value i into lane i mod 16),
+// then the lanes pairwise (j with j + 8, + 4, + 2, + 1)
+template <typename T>
+inline T sum_fixed(const T* s, int64_t n) {
+  T lanes[BLOCK];
+  for (int j = 0; j < BLOCK; ++j) lanes[j] = T(0);
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + BLOCK <= n; i += BLOCK) acc = _mm512_add_ps(acc, _mm512_loadu_ps(s + i));
+    _mm512_storeu_ps(lanes, acc);
+  }
+#endif
+  for (; i + BLOCK <= n; i += BLOCK)
+    for (int j = 0; j < BLOCK; ++j) lanes[j] = lanes[j] + s[i + j];
+  for (int j = 0; i + j < n; ++j) lanes[j] = lanes[j] + s[i + j];
+  for (int w = BLOCK / 2; w > 0; w /= 2)
+    for (int j = 0; j < w; ++j) lanes[j] = lanes[j] + lanes[j + w];
+  return lanes[0];
 }
 
 }  // namespace
@@ -366,19 +475,10 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor kcache, torch::Tensor vca
           scores[i] = dot_heads(qrow, kbase + pos * hd, hd) * scalar_t(scale);
           top = scores[i] > top ? scores[i] : top;
         });
-        scalar_t total = 0;
-        for (int64_t i = 0; i < n; ++i) {
-          scores[i] = exp_neg(scores[i] - top);
-          total += scores[i];
-        }
-        for (int64_t d = 0; d < hd; ++d) acc[d] = 0;
-        each_key([&](int64_t i, int64_t pos) {
-          const scalar_t* v = vbase + pos * hd;
-          const scalar_t pi = scores[i];
-          for (int64_t d = 0; d < hd; ++d) acc[d] = std::fma(pi, v[d], acc[d]);
-        });
+        exp_neg_inplace(scores.data(), n, top);
+        const scalar_t total = sum_fixed(scores.data(), n);
         scalar_t* o = op + r * nh * hd + h * hd;
-        for (int64_t d = 0; d < hd; ++d) o[d] = acc[d] / total;
+        weighted_values(scores.data(), vbase, each_key, total, o, acc.data(), hd);
       }
     });
   });
@@ -393,10 +493,9 @@ torch::Tensor swiglu(torch::Tensor gu) {
   AT_DISPATCH_FLOATING_TYPES(gu.scalar_type(), "swiglu", [&] {
     const scalar_t* g = gu.data_ptr<scalar_t>();
     scalar_t* yp = y.data_ptr<scalar_t>();
-    at::parallel_for(0, M * I, 2048, [&](int64_t a, int64_t b) {
-      for (int64_t t = a; t < b; ++t) {
-        const int64_t r = t / I, i = t % I;
-        yp[t] = silu(g[r * 2 * I + i]) * g[r * 2 * I + I + i];
+    at::parallel_for(0, M, 1, [&](int64_t a, int64_t b) {
+      for (int64_t r = a; r < b; ++r) {
+        swiglu_row(g + r * 2 * I, g + r * 2 * I + I, yp + r * I, I);
       }
     });
   });
