@@ -8,7 +8,8 @@ For each concurrency C, C clients send the held-out chat prompts (the first turn
 of the seven benchmarks, each prompt once, streamed, T = 0) through the OpenAI API to
 
 - ``dartree serve --max-batch C`` on the default model (its own process, as llama-server is) for each
-  of ``--methods`` (budget auto where the method is ranked), and
+  of ``--methods`` (budget auto where the method is ranked, or a fixed per-request budget given as
+  ``method:budget``), and
 - ``llama-server -np C`` on the F32 GGUF of the same weights and on the shipped Q4_1 file.
 
 Reported per (engine, C): throughput (completion tokens over the wall time from the first request
@@ -68,8 +69,11 @@ def start_llama(gguf: Path, threads: int, slots: int, port: int, extra: tuple[st
 
 
 def start_dartree(method: str, threads: int, slots: int, port: int, max_tokens: int) -> subprocess.Popen:
+    """``method`` is a method name, or ``name:budget`` for a fixed per-request budget."""
+    name, _, budget = method.partition(":")
     proc = subprocess.Popen([str(ROOT / ".venv" / "bin" / "dartree"), "serve", "--port", str(port), "--threads", str(threads),
-                             "--max-batch", str(slots), "--max-queue", "64", "--method", method, "--max-new-tokens", str(max_tokens)],
+                             "--max-batch", str(slots), "--max-queue", "64", "--method", name, "--max-new-tokens", str(max_tokens),
+                             *(["--budget", budget] if budget else [])],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     if not wait_healthy(proc, port, 600):
         raise RuntimeError("dartree serve did not come up")
@@ -118,7 +122,9 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,2,4,8,16")
     ap.add_argument("--prompts", type=int, default=24)
     ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--methods", default="ar,dartree", help="dartree methods to serve (budget auto where ranked)")
+    ap.add_argument("--methods", default="ar,dartree",
+                    help="dartree methods to serve, comma-separated: a name (budget auto where ranked) or name:budget "
+                         "for a fixed per-request budget, e.g. ar,dartree,dartree:8")
     ap.add_argument("--no-llama", action="store_true", help="skip the llama.cpp columns")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
