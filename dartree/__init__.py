@@ -1,6 +1,6 @@
 """dartree: lossless speculative decoding with block-diffusion drafters and autoregressive draft trees."""
 
-from .decoding import GenerationStats
+from .engine import GenerationStats
 from .errors import CheckpointError, DartreeError
 from .pipeline import GenerationResult, Pipeline, load
 from .settings import GenerationSettings

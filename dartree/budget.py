@@ -44,7 +44,7 @@ class BudgetChoice:
 
 
 @dataclass
-class AdaptiveBudget:
+class BudgetPolicy:
     cost: CostModel
     max_depth: int = 16
     prior: float = 2.0  # pseudo-count of the calibration: how much evidence it takes to move c_d
@@ -61,13 +61,13 @@ class AdaptiveBudget:
     plain_left: int = 0  # plain steps to take before the next probe
     lost_probes: int = 0  # consecutive back-offs without a winning round in between
     history: list[int] = field(default_factory=list)  # per round: nodes verified; 0: the root alone; -1: a plain step, no draft
-    parent: "AdaptiveBudget | None" = field(default=None, repr=False, compare=False)  # the policy it was forked from
+    parent: "BudgetPolicy | None" = field(default=None, repr=False, compare=False)  # the policy it was forked from
 
     def __post_init__(self):
         self.predicted = [0.0] * (self.max_depth + 1)
         self.accepted = [0.0] * (self.max_depth + 1)
 
-    def fork(self) -> "AdaptiveBudget":
+    def fork(self) -> "BudgetPolicy":
         """A policy for another request: the same settings and calibration so far, its own state;
         ``hand_back`` returns its calibration when the request ends, so the next requests start from it."""
         other = replace(self, history=[])
@@ -109,10 +109,10 @@ class AdaptiveBudget:
             return largest
         return min(largest, max(self.min_build, self.build_headroom * max(recent)))
 
-    def propose(self, builder: TreeBuilder, draft, head) -> DraftTree:
+    def round_tree(self, builder: TreeBuilder, draft, head) -> DraftTree:
         """This round's tree: ``builder``'s tree built at ``build_size``, cut by ``cut``. The decoder
         and the replay both take their rounds' trees from here, so they make the same choices."""
-        return self.cut(builder.propose(draft, head, self.build_size(builder.settings.build_budget)))
+        return self.cut(builder.build_tree(draft, head, self.build_size(builder.settings.build_size)))
 
     def calibration(self, depths: torch.Tensor) -> torch.Tensor:
         c = torch.tensor([(self.prior + a) / (self.prior + p) for a, p in zip(self.accepted, self.predicted)],
@@ -162,7 +162,7 @@ class AdaptiveBudget:
             self.accepted[d] += 1.0 if (i + 1) in on_path else 0.0
 
 
-def choose_batch(items: list[tuple[AdaptiveBudget, DraftTree]], fixed_rows: int, base_tokens: float) -> list[BudgetChoice]:
+def choose_batch(items: list[tuple[BudgetPolicy, DraftTree]], fixed_rows: int, base_tokens: float) -> list[BudgetChoice]:
     """One budget across a batch (DARTree's global top-B, taken across requests).
 
     ``items``: each speculating request's policy and ranked tree; ``fixed_rows``: the rows the round's
@@ -196,7 +196,7 @@ def choose_batch(items: list[tuple[AdaptiveBudget, DraftTree]], fixed_rows: int,
         counts[i] += 1
     # What drafting was worth to each request, as its speed over plain steps'. Alone, the round's whole
     # time is the request's: tokens / (draft + tree + forward) against a plain step's 1 / t(1). In a
-    # batch, its drafter call, tree and share of the extra rows against the tokens it adds, at the
+    # batch, its share of the one drafter call, its tree and its share of the extra rows against the tokens it adds, at the
     # plain batch's rate: a request whose nodes lose the rows (or whose drafter call costs more than its
     # tokens bring) backs off and takes plain steps until its next probe.
     choices = []
@@ -207,14 +207,14 @@ def choose_batch(items: list[tuple[AdaptiveBudget, DraftTree]], fixed_rows: int,
         if len(items) == 1 and fixed_rows == 1:
             worth = mine / cost.round_ms(n) * cost.verify(1)
         else:
-            spent = cost.draft_ms + cost.tree_ms + (extra_ms * n / m if m else 0.0)
+            spent = cost.draft_share(len(items)) + cost.tree_ms + (extra_ms * n / m if m else 0.0)
             worth = (mine - 1.0) / spent / plain_rate if spent > 0 else 1.0
         choices.append(BudgetChoice(n, mine, float(ms[m]), worth))
     return choices
 
 
-def cut_batch(items: list[tuple[AdaptiveBudget, DraftTree]], fixed_rows: int, base_tokens: float) -> list[DraftTree]:
+def cut_batch(items: list[tuple[BudgetPolicy, DraftTree]], fixed_rows: int, base_tokens: float) -> list[DraftTree]:
     """Each request's tree to verify this round under ``choose_batch``, with each policy's state
-    updated as ``AdaptiveBudget.cut`` updates it."""
+    updated as ``BudgetPolicy.cut`` updates it."""
     choices = choose_batch(items, fixed_rows, base_tokens)
     return [policy.apply(tree, c) for (policy, tree), c in zip(items, choices)]

@@ -2,8 +2,10 @@
 
 One round, for every active request together:
 
-1. **draft** - each request that speculates this round runs its drafter (its own drafter cache);
-2. **tree** - its method builds its tree; where the budget is "auto", one cut across the batch takes
+1. **draft** - ONE drafter call for the requests that speculate this round (each with its own
+   drafter cache; ``drafter.draft_batch``);
+2. **tree** - its method builds its tree (requests of one method built together where the method
+   batches, ``trees.build_trees``); where the budget is "auto", one cut across the batch takes
    the prefixes that maximise the batch's expected committed tokens per millisecond of the round's
    forward (``budget.cut_batch``: DARTree's global top-B, taken across requests);
 3. **verify** - ONE target forward over the rows of every request: a decoding request's root (its
@@ -13,7 +15,7 @@ One round, for every active request together:
    compacted to the accepted path, and its tokens are handed on; a request ends with a reason
    (``FINISH_STOP``, ``FINISH_LENGTH``, ``FINISH_CANCELLED``, ``FINISH_ERROR``).
 
-``decoding.decode`` (a single ``generate``) is the batch of one; the server's engine thread runs
+``run_alone`` (a single ``generate``, the bench, replay's reference) is the batch of one; the server's engine thread runs
 ``Engine.step`` with requests joining and leaving between rounds. Because every row of the lean
 forward gets the same bits whatever else shares the forward, a request's text at T = 0 is the text it
 gets alone, and at T > 0 its own seeded sampler draws the same samples as alone.
@@ -28,13 +30,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .budget import AdaptiveBudget, cut_batch
-from .drafter import DraftProposer
+from .budget import BudgetPolicy, cut_batch
+from .drafter import DraftProposer, draft_batch
 from .heads import CorrectionHead
-from .trees import DraftTree, TreeBuilder
+from .trees import DraftTree, TreeBuilder, build_trees
 from .verify import Sampler, ancestor_matrix, first_ask, walk
 
-STAGES = ("prefill", "draft", "tree", "verify", "commit")
+# A decoding round's stages, timed per request; a prompt chunk's round counts as "prefill".
+ROUND_STAGES = ("draft", "tree", "verify", "commit")
+STAGES = ("prefill", *ROUND_STAGES)
 FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = "stop", "length", "cancelled", "error"
 # Prompt rows one round may add while other requests decode: a new request's prefill is chunked so
 # that it never holds the others' next token back by more than one such forward. Alone, a request
@@ -95,7 +99,7 @@ class Request:
     sampler: Sampler
     max_new_tokens: int
     stop_ids: set[int]
-    budget: AdaptiveBudget | None = None  # budget "auto": how much of the ranked tree to verify
+    policy: BudgetPolicy | None = None  # budget "auto": how much of the ranked tree to verify
     proposer: DraftProposer | None = None  # its own drafter cache (methods that draft)
     on_tokens: Callable[[list[int]], None] | None = None  # each round's committed tokens, already truncated
     cancelled: Callable[[], bool] | None = None  # polled before each round: True ends it (FINISH_CANCELLED)
@@ -146,8 +150,8 @@ class Request:
         if self.finished:
             return
         self.stats.finish_reason = reason
-        if self.budget is not None:
-            self.budget.hand_back()
+        if self.policy is not None:
+            self.policy.hand_back()
         self.output = truncate(self.output, self.max_new_tokens, self.stop_ids)
         self.stats.new_tokens = len(self.output)
         self.stats.rounds = len(self.stats.acceptance_lengths)
@@ -183,6 +187,49 @@ class _StageClock:
         self.mark = now
 
 
+def _draft(group: list[Request], drafts: dict[int, object]) -> None:
+    """One drafter call for ``group``; when it fails, each request again alone, so that only the
+    request whose call fails ends (with its error) and the others go on."""
+    try:
+        outputs = draft_batch([r.proposer for r in group], [r.bonus for r in group],
+                              [torch.cat(r.pending) if len(r.pending) > 1 else r.pending[0] for r in group],
+                              [r.position for r in group])
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        if len(group) > 1:
+            for r in group:
+                _draft([r], drafts)
+        else:
+            group[0].error = exc
+            group[0].finish(FINISH_ERROR)
+        return
+    for r, draft in zip(group, outputs):
+        r.pending = []
+        drafts[id(r)] = draft
+        if not r.drafted:  # the first draft call also prefills the drafter: not decode time
+            r.drafted, r.decode_start = True, time.perf_counter()
+
+
+def _build(group: list[Request], drafts: dict[int, object], head: CorrectionHead | None, trees: dict[int, DraftTree]) -> None:
+    """The trees of ``group`` (requests of one method and settings built together,
+    ``trees.build_trees``); when that fails, each request again alone, so that only the request
+    whose build fails ends (with its error) and the others go on."""
+    if not group:
+        return
+    try:
+        sizes = [r.policy.build_size(r.builder.settings.build_size) if r.policy is not None else None for r in group]
+        built = build_trees([r.builder for r in group], [drafts.get(id(r)) for r in group], head, sizes)
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        if len(group) > 1:
+            for r in group:
+                _build([r], drafts, head, trees)
+        else:
+            group[0].error = exc
+            group[0].finish(FINISH_ERROR)
+        return
+    for r, tree in zip(group, built):
+        trees[id(r)] = tree
+
+
 @torch.no_grad()
 def run_round(target, requests: list[Request], head: CorrectionHead | None = None, prefill_rows: int | None = None) -> None:
     """One round over ``requests`` (each holding a slot of ``target``): see the module docstring."""
@@ -191,23 +238,21 @@ def run_round(target, requests: list[Request], head: CorrectionHead | None = Non
     if prefill_rows is None:
         prefill_rows = target.prefill_chunk if not decoding else PREFILL_ROWS_BESIDE_DECODING
 
-    # 1-2. draft and build each speculating request's tree, then one cut across the batch.
+    # 1. one drafter call for the requests that speculate this round (a request's first call, which
+    # also takes in its whole prompt, runs alone rather than pad the others to its length).
+    speculating = [r for r in decoding if r.uses_drafter and (r.policy is None or r.policy.speculate())]
+    drafts: dict[int, object] = {}
+    for group in [[r] for r in speculating if not r.drafted] + [[r for r in speculating if r.drafted]]:
+        if group:
+            _draft(group, drafts)
+    clock.lap("draft")
+    # 2. each decoding request's method builds its tree (``ar``'s is empty; a drafting method's needs
+    # this round's draft: without one, after a back-off or a failed call, the round is a plain step),
+    # then one cut across the batch.
+    building = [r for r in decoding if not r.finished and (not r.uses_drafter or id(r) in drafts)]
     trees: dict[int, DraftTree] = {}
-    for r in decoding:
-        if r.uses_drafter and (r.budget is None or r.budget.speculate()):
-            try:
-                features = torch.cat(r.pending) if len(r.pending) > 1 else r.pending[0]
-                draft = r.proposer.draft(r.bonus, features, r.position)
-                r.pending = []
-                clock.lap("draft")
-                if not r.drafted:  # the first draft call also prefills the drafter: not decode time
-                    r.drafted, r.decode_start = True, time.perf_counter()
-                size = r.budget.build_size(r.builder.settings.build_budget) if r.budget is not None else None
-                trees[id(r)] = r.builder.propose(draft, head, size)
-            except Exception as exc:  # noqa: BLE001 - this request ends with its error; the others go on
-                r.error = exc
-                r.finish(FINISH_ERROR)
-            clock.lap("tree")
+    _build(building, drafts, head, trees)
+    clock.lap("tree")
     requests = [r for r in requests if not r.finished]
     decoding = [r for r in decoding if not r.finished]
     # This round's prompt chunks: the prefilling requests in order, sharing ``prefill_rows``.
@@ -217,10 +262,10 @@ def run_round(target, requests: list[Request], head: CorrectionHead | None = Non
         if r.prefilling and left > 0:
             chunks[id(r)] = min(left, r.prompt_ids.numel() - r.prefilled)
             left -= chunks[id(r)]
-    ranked = [r for r in decoding if r.budget is not None and id(r) in trees]
+    ranked = [r for r in decoding if r.policy is not None and id(r) in trees]
     if ranked:
-        fixed_rows = len(decoding) + sum(chunks.values()) + sum(len(trees[id(r)]) for r in decoding if r.budget is None and id(r) in trees)
-        for r, tree in zip(ranked, cut_batch([(r.budget, trees[id(r)]) for r in ranked], fixed_rows, float(len(decoding)))):
+        fixed_rows = len(decoding) + sum(chunks.values()) + sum(len(trees[id(r)]) for r in decoding if r.policy is None and id(r) in trees)
+        for r, tree in zip(ranked, cut_batch([(r.policy, trees[id(r)]) for r in ranked], fixed_rows, float(len(decoding)))):
             trees[id(r)] = tree
         clock.lap("tree")
 
@@ -270,8 +315,8 @@ def run_round(target, requests: list[Request], head: CorrectionHead | None = Non
                     r.pending.append(features)
                 if rows:  # the prompt is in: its last row chooses the first token
                     r.bonus = int(r.sampler(first_logits, [r.prompt_ids.numel()])[0])
-                    if r.budget is not None:
-                        r.budget.start_request()
+                    if r.policy is not None:
+                        r.policy.start_request()
                     r.emit([r.bonus])
                     if r.decode_start is None:
                         r.decode_start = time.perf_counter()
@@ -283,8 +328,8 @@ def run_round(target, requests: list[Request], head: CorrectionHead | None = Non
                 tree, lambda ask: r.sampler(target.lm_head(hidden[ask]), [after[i] for i in ask]).tolist(), known)
             keep = torch.tensor(accepted)
             target.keep(r.slot, start, keep)
-            if r.budget is not None:
-                r.budget.observe(tree, accepted)
+            if r.policy is not None:
+                r.policy.observe(tree, accepted)
             if features is not None:  # rows the drafter has not seen yet (plain steps add up)
                 r.pending.append(features.index_select(0, keep.to(features.device)))
             r.stats.acceptance_lengths.append(len(accepted))

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from .errors import DartreeError
+
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")  # native bf16 dot products (Intel AMX, AVX-512 BF16 on Intel/AMD)
 
 
@@ -82,8 +84,6 @@ def set_threads(threads: int | None) -> int:
     """Use ``threads`` CPU threads for torch (default: $OMP_NUM_THREADS when set, else the physical
     cores; torch's own default counts every logical CPU it sees, which on a busy or SMT machine made a
     decoding step ~10x slower)."""
-    from .errors import DartreeError
-
     if threads is None:
         env = os.environ.get("OMP_NUM_THREADS", "")
         threads = int(env) if env.isdigit() and int(env) > 0 else physical_cores()

@@ -81,6 +81,22 @@ class CorrectionHead(nn.Module):
             return base.expand(states.shape[0], -1)
         return base + self.delta(rnd, slot, states, self.output_rows(candidates))
 
+    def logits_batch(self, rounds: list[HeadRound], slot: int, states: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+        """``logits`` for the branches of many requests at once: request i owns the i-th of
+        ``len(rounds)`` equal groups of rows of ``states`` and has candidates ``candidates[i]``
+        ([R, C]). The products over the states run once for all; returns [N, C]."""
+        per = states.shape[0] // len(rounds)
+        base = torch.stack([r.base_logits[slot] for r in rounds]).gather(1, candidates)  # [R, C]
+        base = base.repeat_interleave(per, dim=0)
+        if slot < self.uncorrected_slots:
+            return base
+        return base + self.delta_batch(rounds, slot, states, candidates)
+
+    def delta_batch(self, rounds: list[HeadRound], slot: int, states: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+        per = states.shape[0] // len(rounds)
+        return torch.cat([self.delta(r, slot, states[i * per:(i + 1) * per], self.output_rows(candidates[i]))
+                          for i, r in enumerate(rounds)])
+
     # ------------------------------------------------------------- training (teacher forcing)
     def block_logits(self, hidden: torch.Tensor, base_logits: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
         """Teacher-forced corrected logits for whole blocks.
@@ -148,6 +164,15 @@ class DominoHead(CorrectionHead):
         w_s = self.embed_proj[0].weight[:, self.hidden_size :]
         return F.silu(rnd.hidden_proj[slot] + states @ w_s.T) @ out_rows.T
 
+    def delta_batch(self, rounds, slot, states, candidates):
+        # the state projection for every request's branches in one product, then each request's
+        # candidates' output rows: [R, per, rank] x [R, rank, C]
+        w_s = self.embed_proj[0].weight[:, self.hidden_size :]
+        per = states.shape[0] // len(rounds)
+        hidden = torch.stack([r.hidden_proj[slot] for r in rounds])  # [R, rank]
+        act = F.silu(hidden.repeat_interleave(per, dim=0) + states @ w_s.T).view(len(rounds), per, -1)
+        return torch.bmm(act, self.output_rows(candidates).transpose(1, 2)).reshape(states.shape[0], -1)
+
     def block_logits(self, hidden, base_logits, prev_tokens):
         states, _ = self.prefix_gru(self._embed(prev_tokens))
         delta = self.embed_proj(torch.cat([hidden, states], dim=-1))
@@ -178,6 +203,11 @@ class MarkovHead(CorrectionHead):
 
     def delta(self, rnd, slot, states, out_rows):
         return states @ out_rows.T
+
+    def delta_batch(self, rounds, slot, states, candidates):
+        per = states.shape[0] // len(rounds)
+        out = torch.bmm(states.view(len(rounds), per, -1), self.output_rows(candidates).transpose(1, 2))
+        return out.reshape(states.shape[0], -1)
 
     def block_logits(self, hidden, base_logits, prev_tokens):
         return base_logits + self.markov_w2(self.markov_w1(prev_tokens))

@@ -15,6 +15,9 @@ from pathlib import Path
 
 import torch
 
+from .default_model import cache_root
+from .hardware import cpu_info
+
 SOURCE = Path(__file__).parent / "csrc" / "lean_kernels.cpp"
 # Only correctly rounded operations are written in the source (explicit fma), so no contraction:
 # the compiler may not fuse a multiply and an add on its own in one code path and not in another.
@@ -22,9 +25,6 @@ CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno"]
 
 
 def build_dir() -> Path:
-    from .default_model import cache_root
-    from .hardware import cpu_info
-
     model, flags = cpu_info()
     key = hashlib.sha256("\n".join([SOURCE.read_text(), torch.__version__, " ".join(CFLAGS), model,
                                     " ".join(sorted(flags))]).encode()).hexdigest()[:16]

@@ -13,8 +13,8 @@ from torch import nn
 
 from .drafter import CONFIG_NAME, WEIGHTS_NAME, DrafterConfig, DrafterModel
 from .errors import CheckpointError, DartreeError, require
+from .hardware import default_dtype
 from .products import cpu_products
-
 
 # ---------------------------------------------------------------- dtypes and devices
 
@@ -24,8 +24,6 @@ def parse_dtype(dtype, device=None) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        from .hardware import default_dtype
-
         return default_dtype(device if device is not None else "cpu")
     names = {"float32": torch.float32, "fp32": torch.float32, "float64": torch.float64, "fp64": torch.float64,
              "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}

@@ -7,16 +7,18 @@ from pathlib import Path
 
 import torch
 
-from .budget import AdaptiveBudget
-from .costmodel import CostModel, load_or_measure
+from .budget import BudgetPolicy
+from .calibration import load_or_measure
+from .costmodel import CostModel
+from .default_model import default_drafter_dir, default_target_dir
+from .drafter import DrafterModel, DraftProposer
 from .engine import Engine, GenerationStats, Request, run_alone
-from .drafter import DraftProposer, DrafterModel
 from .errors import DartreeError, require
 from .hardware import set_threads
-from .loading import check_pair, cpu_products, load_drafter, load_target, load_tokenizer, parse_dtype, resolve_device
-from .settings import GenerationSettings
 from .lean import LeanTarget, unsupported_reason
+from .loading import check_pair, cpu_products, load_drafter, load_target, load_tokenizer, parse_dtype, resolve_device
 from .prompts import chat_token_ids
+from .settings import GenerationSettings
 from .target import TargetAdapter, check_context_length
 from .trees import available_methods
 
@@ -57,7 +59,7 @@ class Pipeline:
         self.proposer = None
         self.head = None
         self._cost_model: CostModel | None = None
-        self._budgets: dict[tuple, AdaptiveBudget] = {}
+        self._policies: dict[tuple, BudgetPolicy] = {}
         if drafter is not None:
             self.proposer = DraftProposer(drafter, self.target.embed_tokens, self.target.lm_head)
             self.head = drafter.head
@@ -78,16 +80,16 @@ class Pipeline:
     def cost_model(self) -> CostModel:
         """This machine's measured cost model for this pipeline (cached under .cache/costmodel)."""
         if self._cost_model is None:
-            self._cost_model = load_or_measure(self)
+            self._cost_model = load_or_measure(self.target, self.proposer, self.head)
         return self._cost_model
 
-    def adaptive_budget(self, settings: GenerationSettings) -> AdaptiveBudget:
+    def budget_policy(self, settings: GenerationSettings) -> BudgetPolicy:
         """The per-round budget policy of one method and its settings; its acceptance calibration
         carries over from one generate call to the next."""
         key = (settings.method, settings.tree, settings.temperature > 0)
-        if key not in self._budgets:
-            self._budgets[key] = AdaptiveBudget(self.cost_model(), max_depth=self.proposer.num_depths)
-        return self._budgets[key]
+        if key not in self._policies:
+            self._policies[key] = BudgetPolicy(self.cost_model(), max_depth=self.proposer.num_depths)
+        return self._policies[key]
 
     def request(self, ids: torch.Tensor, settings: GenerationSettings, stop_token_ids: list[int] | None = None,
                 on_tokens=None, cancelled=None, alone: bool = True) -> Request:
@@ -97,16 +99,16 @@ class Pipeline:
         cache and budget policy; else (the batched engine) it gets its own drafter cache and its own
         copy of the policy, whose acceptance calibration starts from the pipeline's."""
         builder = settings.builder()
-        budget = None
-        if settings.tree.auto and builder.ranked:
-            budget = self.adaptive_budget(settings)
+        policy = None
+        if builder.cut_per_round:
+            policy = self.budget_policy(settings)
             if not alone:
-                budget = budget.fork()
+                policy = policy.fork()
         proposer = None
         if builder.uses_drafter:
             proposer = self.proposer if alone else DraftProposer(self.drafter, self.target.embed_tokens, self.target.lm_head)
         stop = set(stop_token_ids) if stop_token_ids is not None else self.default_stop_ids()
-        return Request(ids, builder, settings.sampler(self.device), settings.max_new_tokens, stop, budget=budget,
+        return Request(ids, builder, settings.sampler(self.device), settings.max_new_tokens, stop, policy=policy,
                        proposer=proposer, on_tokens=on_tokens, cancelled=cancelled)
 
     def engine(self, max_batch: int) -> Engine:
@@ -228,8 +230,6 @@ def load(target: str | Path | None = None, drafter: str | Path | None = None, dt
     dtype = parse_dtype(dtype, device)
     set_threads(threads)
     if target is None:
-        from .default_model import default_drafter_dir, default_target_dir
-
         target = default_target_dir()
         if drafter is None:
             drafter = default_drafter_dir()

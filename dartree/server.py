@@ -21,14 +21,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import __version__
 from .engine import FINISH_CANCELLED, FINISH_ERROR
 from .errors import DartreeError
 from .pipeline import GenerationResult
 from .settings import GenerationSettings
+from .trees import TreeSettings
 
 # dartree's own settings as extra body fields -> their GenerationSettings names. ``top_k`` itself is
 # sampling top-k, as in vLLM's OpenAI server; DARTree's K (candidates per depth) is ``tree_top_k``.
-DART_FIELDS = {"method": "method", "budget": "budget", "width": "width", "tree_top_k": "top_k", "beta": "beta"}
+# dartree's own request fields -> GenerationSettings keywords: the method and every tree setting under its declared name
+DART_FIELDS = {"method": "method", **{s.metadata["request"]: s.name for s in TreeSettings.declarations()}}
 
 
 class RequestError(Exception):
@@ -229,7 +232,7 @@ def parse_request(body, defaults: GenerationSettings, chat: bool):
     extra = {field: body[name] for name, field in DART_FIELDS.items() if body.get(name) is not None}
     if "method" in extra and not isinstance(extra["method"], str):  # the registry lookup needs a hashable name
         raise RequestError("'method' must be a string", param="method")
-    # budget / width / tree_top_k / beta are checked by TreeSettings.validate below, as for every caller
+    # the tree settings are checked by TreeSettings.validate below, as for every caller
     try:
         settings = GenerationSettings.from_kwargs(
             defaults, max_new_tokens=max_tokens, temperature=temperature, top_p=top_p if top_p != 1 else None,
@@ -290,7 +293,7 @@ def create_app(pipe, defaults: GenerationSettings | None = None, model_name: str
 
     defaults = (defaults or GenerationSettings()).validate()
     engine = Engine(pipe, max_queue=max_queue, max_batch=max_batch)
-    app = FastAPI(title="dartree", version="0.1.0")
+    app = FastAPI(title="dartree", version=__version__)
     app.state.engine = engine
     tokenizer = pipe.tokenizer
 
@@ -452,65 +455,6 @@ class _Partial:
 
     def __init__(self, new_tokens: int):
         self.stats = type("S", (), {"new_tokens": new_tokens, "mean_acceptance": 0.0})()
-
-
-def add_serve_parser(sub) -> None:
-    from .cliargs import add_model_args, add_threads_arg, add_tree_args
-
-    p = sub.add_parser(
-        "serve",
-        help="serve the model over the OpenAI HTTP API (chat/completions, completions, streaming, /metrics)",
-        description="An OpenAI-compatible server on the speculative engine: GET /v1/models, POST /v1/chat/completions "
-        "and /v1/completions (stream: true for server-sent events), GET /health, GET /metrics (Prometheus). Requests "
-        "are decoded together, up to --max-batch at once, each round one target forward over all of them (requests "
-        "join and leave between rounds); the rest wait in a bounded queue (HTTP 429 when full). dartree's own "
-        "settings (method, budget, width, tree_top_k, beta) may be given as extra fields of a request body.",
-    )
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    p.add_argument("--model-name", default="dartree", help="the model id reported by /v1/models (default dartree)")
-    p.add_argument("--max-queue", type=int, default=16, help="requests that may wait before HTTP 429 (default 16)")
-    p.add_argument("--max-batch", type=int, default=None,
-                   help="requests decoded together in one round (default: from this machine's cost model, the most "
-                   "requests whose one-row forward costs at most twice a single request's, up to 16; 1 on the Hugging "
-                   "Face forward, which holds one request)")
-    p.add_argument("--method", "-m", default=GenerationSettings.method, help=f"default method (default {GenerationSettings.method})")
-    p.add_argument("--max-new-tokens", "-n", type=int, default=GenerationSettings.max_new_tokens,
-                   help=f"default max_tokens of a request (default {GenerationSettings.max_new_tokens})")
-    add_threads_arg(p)
-    add_model_args(p)
-    add_tree_args(p)
-    p.set_defaults(func=_run_serve)
-
-
-def _run_serve(args) -> int:
-    import sys
-
-    import uvicorn
-
-    import dartree
-
-    from .cliargs import tree_settings
-    from .costmodel import default_max_batch
-    from .hardware import set_threads
-
-    defaults = GenerationSettings(method=args.method, max_new_tokens=args.max_new_tokens, tree=tree_settings(args)).validate()
-    if not 0 < args.port < 65536:
-        raise DartreeError(f"--port must be between 1 and 65535, got {args.port}")
-    if args.max_queue < 1:
-        raise DartreeError(f"--max-queue must be >= 1, got {args.max_queue}")
-    set_threads(args.threads)
-    pipe = dartree.load(args.target, args.drafter, dtype=args.dtype, device=args.device, threads=args.threads)
-    if args.max_batch is not None and args.max_batch < 1:
-        raise DartreeError(f"--max-batch must be >= 1, got {args.max_batch}")
-    max_batch = args.max_batch
-    if max_batch is None:
-        max_batch = default_max_batch(pipe.cost_model()) if pipe.target.kind == "lean" else 1
-    app = create_app(pipe, defaults, args.model_name, args.max_queue, max_batch)
-    print(f"dartree serve: listening on http://{args.host}:{args.port}/v1 (model {args.model_name!r}, method "
-          f"{defaults.method}, budget {defaults.tree.budget}, max batch {max_batch})", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
-    return 0
 
 
 __all__ = ["create_app", "Engine", "TextAssembler", "parse_request", "RequestError"]

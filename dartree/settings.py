@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from .errors import DartreeError
-from .trees import BUILDERS, METHODS, TreeBuilder, TreeSettings
+from .trees import BUILDERS, TreeBuilder, TreeSettings, builder_class
 from .verify import Sampler
 
 DEFAULT_METHOD = "dartree"
@@ -46,8 +46,7 @@ class GenerationSettings:
         return replace(base, tree=replace(base.tree, **tree), **top)
 
     def validate(self) -> "GenerationSettings":
-        if self.method not in BUILDERS:
-            raise DartreeError(f"unknown method {self.method!r}; choose one of: {', '.join(METHODS)}")
+        builder_class(self.method)
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise DartreeError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         if self.seed is not None and not _is_int(self.seed):

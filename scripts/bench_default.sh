@@ -26,7 +26,7 @@ case "${1:-}" in
   seven-replay)             # all seven benchmarks, T=0 tau of every method at B=32 (exact replay)
     .venv/bin/dartree bench --replay --datasets all --limit 10 --max-new-tokens 256 --budgets 32 \
         --methods $ALL --threads 1 --out $OUT/seven-benchmarks/replay ;;
-  fast-decoded)             # issue 13: ar, HF peers and dartree (budget auto / 16 / 64) side by side, 7 datasets, fp32 and bf16 in one run
+  fast-decoded)             # ar, HF peers and dartree (budget auto / 16 / 64) side by side, 7 datasets, fp32 and bf16 in one run
     .venv/bin/dartree bench --datasets all --limit ${LIMIT:-1} --max-new-tokens 128 --budgets auto,16,64 --threads 1 --dtype ${DTYPE:-float32,bfloat16} \
         --methods ar,hf-generate,hf-prompt-lookup,dartree --out $OUT/fast-on-this-machine/${TAG:-side-by-side} ;;
   drafter-v2-replay)        # the retrained drafter: T=0 tau of every method on 15 + 15 held-out prompts (replay)
@@ -53,7 +53,7 @@ case "${1:-}" in
     fi ;;
   modeled-auto)             # budget auto against fixed budgets, replayed on a cost model (COST=float32|bfloat16, the
     # committed one-thread models of this CPU) over the drafter-replay prompts; speedups are modeled, not measured.
-    # COSTS: the folder of cost models (default: the newest committed, measured in session 10).
+    # COSTS: the folder of cost models (default: the committed one-thread fp32/bf16 models).
     R=$OUT/${TAG:-drafter}; C=${COST:-float32}; M=$R/modeled-$C; mkdir -p $M
     COSTS=${COSTS:-docs/results/fast-on-this-machine/cost-models/session10}
     [ -f $M/greedy.jsonl ] || cat $R/gsm8k-humaneval-replay/greedy.jsonl $R/seven-replay/greedy.jsonl > $M/greedy.jsonl 2>/dev/null || true

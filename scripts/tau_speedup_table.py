@@ -18,8 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dartree.bench.report import METHOD_ORDER, complete_prompts, summarise  # noqa: E402
 from dartree.bench.runner import RunConfig, read_records  # noqa: E402
-from dartree.decoding import STAGES  # noqa: E402
-
+from dartree.engine import ROUND_STAGES  # noqa: E402
 
 CONFIGS: dict[str, RunConfig] = {}  # record key -> its typed configuration
 
@@ -108,7 +107,7 @@ def print_where_time_goes(keys: list[str], datasets: list[str], dec: dict, decod
         seconds = sum(t["decode_seconds"] for t in r["turns"])
         per_prompt[(r["dataset"], r["sample_id"], r["key"])] = sum(t["new_tokens"] for t in r["turns"]) / seconds
     ar_key = next(k for k in keys if method_of(k) == "ar")
-    round_stages = [stage for stage in STAGES if stage != "prefill"]  # prefill is outside the timed decode
+    round_stages = ROUND_STAGES  # prefill is outside the timed decode
     for d in datasets:
         ar_ms = 1000.0 / dec[(d, ar_key)].tokens_per_second
         print(f"\n### {d}: ms per round (ar: {ar_ms:.0f} ms per token) and per-prompt speedups\n")

@@ -4,10 +4,10 @@ import os
 
 import pytest
 import torch
+from tiny import make_tiny_drafter, make_tiny_target
 from transformers.utils import logging as hf_logging
 
 import dartree
-from dartree.tiny import make_tiny_drafter, make_tiny_target
 
 hf_logging.set_verbosity_error()
 hf_logging.disable_progress_bar()

@@ -44,7 +44,7 @@ def test_grid_puts_ar_first_and_settings_where_used():
 
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory):
-    from dartree.tiny import make_tiny_drafter, make_tiny_target
+    from tiny import make_tiny_drafter, make_tiny_target
 
     root = tmp_path_factory.mktemp("bench")
     t = make_tiny_target(root / "t", vocab_size=8, seed=1)

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from conftest import FAMILIES, VOCAB, hf_greedy, synthetic_cost
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import FAMILIES, VOCAB, hf_greedy, synthetic_cost
-from dartree.budget import AdaptiveBudget
+from dartree.budget import BudgetPolicy
 from dartree.costmodel import CostModel
 from dartree.drafter import DraftOutput
 from dartree.heads import DominoHead
@@ -42,9 +42,9 @@ def test_cost_model_interpolates_and_extrapolates():
 
 def test_a_cheap_verify_takes_a_large_budget_and_an_expensive_one_a_small_one():
     tree = ranked_tree([0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2] + [0.1] * 24)
-    cheap = AdaptiveBudget(synthetic_cost(10.0, 0.01))  # a GPU-like staircase: extra rows are nearly free
+    cheap = BudgetPolicy(synthetic_cost(10.0, 0.01))  # a GPU-like staircase: extra rows are nearly free
     assert cheap.choose(tree).nodes == len(tree)
-    middling = AdaptiveBudget(synthetic_cost(10.0, 2.0))
+    middling = BudgetPolicy(synthetic_cost(10.0, 2.0))
     chosen = middling.choose(tree).nodes
     assert 1 <= chosen < 12
     # the choice is the global argmax of expected tokens per ms over every prefix
@@ -57,7 +57,7 @@ def test_the_build_covers_every_prefix_the_policy_chose_lately_and_grows_when_it
     """A round builds max_budget nodes until the policy has chosen; then twice the largest choice
     of the recent drafted rounds (at least min_build), doubling while the choice reaches the limit;
     plain steps in between leave it as the drafted rounds set it."""
-    policy = AdaptiveBudget(synthetic_cost(10.0, 0.01), min_build=4)  # a cheap verify takes every node
+    policy = BudgetPolicy(synthetic_cost(10.0, 0.01), min_build=4)  # a cheap verify takes every node
     assert policy.build_size(64) == 64
     sizes = []
     for _ in range(6):
@@ -65,7 +65,7 @@ def test_the_build_covers_every_prefix_the_policy_chose_lately_and_grows_when_it
         sizes.append(size)
         policy.cut(ranked_tree([0.9] * size))  # chooses the whole tree it was given
     assert sizes == [64, 64, 64, 64, 64, 64]
-    policy = AdaptiveBudget(synthetic_cost(10.0, 2.0), min_build=4)  # takes 3 of these nodes
+    policy = BudgetPolicy(synthetic_cost(10.0, 2.0), min_build=4)  # takes 3 of these nodes
     tree = ranked_tree([0.9, 0.8, 0.5, 0.1, 0.05, 0.01] * 2)
     policy.cut(tree)
     assert policy.history == [3] and policy.build_size(64) == 6 and policy.build_size(5) == 5
@@ -73,7 +73,7 @@ def test_the_build_covers_every_prefix_the_policy_chose_lately_and_grows_when_it
     assert policy.build_size(64) == 6
     policy.history += [0] * policy.recent_rounds  # drafted rounds that verified the root alone
     assert policy.build_size(64) == 4
-    grow = AdaptiveBudget(synthetic_cost(10.0, 0.01), min_build=4)
+    grow = BudgetPolicy(synthetic_cost(10.0, 0.01), min_build=4)
     grow.history = [4]
     assert grow.build_size(64) == 8
     grow.cut(ranked_tree([0.9] * 8))
@@ -82,13 +82,13 @@ def test_the_build_covers_every_prefix_the_policy_chose_lately_and_grows_when_it
 
 def test_an_expensive_verify_or_a_hopeless_draft_takes_plain_steps():
     tree = ranked_tree([0.9, 0.8, 0.7])
-    assert AdaptiveBudget(synthetic_cost(10.0, 20.0)).choose(tree).nodes == 0
-    assert AdaptiveBudget(synthetic_cost(10.0, 0.5)).choose(ranked_tree([0.01, 0.001])).nodes == 0
+    assert BudgetPolicy(synthetic_cost(10.0, 20.0)).choose(tree).nodes == 0
+    assert BudgetPolicy(synthetic_cost(10.0, 0.5)).choose(ranked_tree([0.01, 0.001])).nodes == 0
 
 
 def test_a_drawn_tree_is_used_but_a_costly_drafter_stops_the_drafting():
     # The round's draft is already paid: with a cheap verify its tree is worth verifying ...
-    policy = AdaptiveBudget(synthetic_cost(10.0, 0.1, draft_ms=30.0), probe_every=5)
+    policy = BudgetPolicy(synthetic_cost(10.0, 0.1, draft_ms=30.0), probe_every=5)
     tree = ranked_tree([0.9, 0.8, 0.7])
     assert policy.choose(tree).nodes == 3
     # ... but a whole round (30 ms of drafting + ~10 ms of verify for 3.4 tokens) loses to plain steps
@@ -96,13 +96,13 @@ def test_a_drawn_tree_is_used_but_a_costly_drafter_stops_the_drafting():
     assert len(policy.cut(tree)) == 3
     assert [policy.speculate() for _ in range(6)] == [False] * 5 + [True]
     # The same drafter at 1 ms a call pays for itself: drafting goes on round after round.
-    cheap = AdaptiveBudget(synthetic_cost(10.0, 0.1, draft_ms=1.0), probe_every=5)
+    cheap = BudgetPolicy(synthetic_cost(10.0, 0.1, draft_ms=1.0), probe_every=5)
     for _ in range(10):
         assert cheap.speculate() and len(cheap.cut(tree)) == 3
 
 
 def test_plain_steps_then_probes_that_back_off():
-    policy = AdaptiveBudget(synthetic_cost(10.0, 20.0, draft_ms=1.0), probe_every=3, max_probe_every=8)
+    policy = BudgetPolicy(synthetic_cost(10.0, 20.0, draft_ms=1.0), probe_every=3, max_probe_every=8)
     assert len(policy.cut(ranked_tree([0.9, 0.8]))) == 0  # speculation loses: verify the root alone
     assert [policy.speculate() for _ in range(4)] == [False] * 3 + [True]  # then 3 plain steps, then a probe
     assert len(policy.cut(ranked_tree([0.9, 0.8]))) == 0  # the probe loses again: twice as many plain steps
@@ -120,7 +120,7 @@ def test_plain_steps_then_probes_that_back_off():
 
 
 def test_calibration_learns_from_acceptances_and_follows_the_text():
-    policy = AdaptiveBudget(synthetic_cost(10.0, 1.0), prior=1.0)
+    policy = BudgetPolicy(synthetic_cost(10.0, 1.0), prior=1.0)
     tree = ranked_tree([0.5, 0.25])
     for _ in range(40):
         policy.observe(tree, [0])  # nothing is ever accepted
@@ -132,7 +132,7 @@ def test_calibration_learns_from_acceptances_and_follows_the_text():
     for _ in range(60):
         policy.observe(tree, [0])
     assert policy.probabilities(tree).max() < 0.1
-    frozen = AdaptiveBudget(synthetic_cost(10.0, 1.0), prior=1.0, decay=1.0)  # no fading: 200 rounds outweigh 60
+    frozen = BudgetPolicy(synthetic_cost(10.0, 1.0), prior=1.0, decay=1.0)  # no fading: 200 rounds outweigh 60
     for accepted in ([0, 1, 2],) * 200 + ([0],) * 60:
         frozen.observe(tree, accepted)
     assert frozen.probabilities(tree).min() > 0.5
@@ -165,10 +165,10 @@ def test_auto_budget_is_lossless_with_switches_to_plain_steps(pipelines, family,
     costly (plain steps with probes in between): the output is greedy decoding, token for token."""
     pipe = pipelines[(family, "domino")]
     pipe._cost_model = synthetic_cost(1.0, per_row)
-    pipe._budgets.clear()
+    pipe._policies.clear()
     got = pipe.generate(input_ids=prompt, method=method, max_new_tokens=24, budget="auto", stop_token_ids=[])
     assert got.token_ids == hf_greedy(pipe.model, prompt, 24)
-    history = next(iter(pipe._budgets.values())).history
+    history = next(iter(pipe._policies.values())).history
     if per_row == 3.0:
         assert min(history) <= 0  # rounds verified the root alone (a plain step), drafted or not
     if per_row == 0.0:
@@ -179,10 +179,10 @@ def test_auto_budget_switches_mid_generation_and_stays_exact(pipelines):
     """Start with a cost model under which speculation pays, then make verification expensive in the
     middle of a generation: the policy moves to plain steps, and the output is still greedy."""
     pipe = pipelines[("llama", "domino")]
-    pipe._budgets.clear()
+    pipe._policies.clear()
     pipe._cost_model = synthetic_cost(1.0, 0.0)
     calls = {"n": 0}
-    policy_apply = AdaptiveBudget.apply
+    policy_apply = BudgetPolicy.apply
 
     def apply_then_get_expensive(self, tree, choice):
         calls["n"] += 1
@@ -190,20 +190,20 @@ def test_auto_budget_switches_mid_generation_and_stays_exact(pipelines):
             self.cost = synthetic_cost(1.0, 50.0)
         return policy_apply(self, tree, choice)
 
-    AdaptiveBudget.apply = apply_then_get_expensive
+    BudgetPolicy.apply = apply_then_get_expensive
     try:
         for prompt in ([1, 2, 3], [5], [0, 7, 7, 1]):
-            pipe._budgets.clear()
+            pipe._policies.clear()
             pipe._cost_model = synthetic_cost(1.0, 0.0)
             calls["n"] = 0
             got = pipe.generate(input_ids=prompt, method="dartree", max_new_tokens=30, budget="auto", stop_token_ids=[])
-            history = next(iter(pipe._budgets.values())).history
+            history = next(iter(pipe._policies.values())).history
             assert got.token_ids == hf_greedy(pipe.model, prompt, 30)
             assert max(history[:2]) > 1 and min(history[3:]) <= 0
     finally:
-        AdaptiveBudget.apply = policy_apply
+        BudgetPolicy.apply = policy_apply
     pipe._cost_model = None
-    pipe._budgets.clear()
+    pipe._policies.clear()
 
 
 def test_native_dtype_follows_the_cpu_flags(monkeypatch):
@@ -257,23 +257,23 @@ def test_one_budget_across_a_batch_speculates_less_as_rows_stop_being_free():
     cost = CostModel({"machine": "synthetic"}, 256, {1: 10.0, 16: 11.0, 32: 30.0, 64: 70.0, 128: 150.0})
     trees = [ranked_tree([0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2]) for _ in range(16)]
     for tree in trees[:4]:
-        policy = AdaptiveBudget(cost)
+        policy = BudgetPolicy(cost)
         assert choose_batch([(policy, tree)], 1, 1.0)[0] == policy.choose(tree)
     per_request = []
     for k in (1, 2, 4, 8, 16):
-        choices = choose_batch([(AdaptiveBudget(cost), t) for t in trees[:k]], k, float(k))
+        choices = choose_batch([(BudgetPolicy(cost), t) for t in trees[:k]], k, float(k))
         assert max(c.nodes for c in choices) - min(c.nodes for c in choices) <= 1  # equal trees share alike
         per_request.append(sum(c.nodes for c in choices) / k)
     assert per_request[0] == 8 and per_request == sorted(per_request, reverse=True) and per_request[-1] == 0
     # Unequal requests: the more likely nodes win the rows.
     good, poor = ranked_tree([0.95, 0.9, 0.85, 0.8]), ranked_tree([0.2, 0.1, 0.05, 0.01])
-    items = [(AdaptiveBudget(cost), good)] + [(AdaptiveBudget(cost), poor)] + [(AdaptiveBudget(cost), ranked_tree([0.9] * 4)) for _ in range(6)]
+    items = [(BudgetPolicy(cost), good)] + [(BudgetPolicy(cost), poor)] + [(BudgetPolicy(cost), ranked_tree([0.9] * 4)) for _ in range(6)]
     chosen = choose_batch(items, 8, 8.0)
     assert chosen[0].nodes >= chosen[1].nodes and chosen[1].nodes == 0
 
 
 def test_a_forked_policy_has_its_own_state_and_hands_its_calibration_back():
-    shared = AdaptiveBudget(synthetic_cost(1.0, 0.1))
+    shared = BudgetPolicy(synthetic_cost(1.0, 0.1))
     shared.observe(ranked_tree([0.9, 0.5]), [0, 1])
     fork = shared.fork()
     assert fork.predicted == shared.predicted and fork.history == [] and fork.predicted is not shared.predicted
@@ -282,3 +282,13 @@ def test_a_forked_policy_has_its_own_state_and_hands_its_calibration_back():
     assert shared.history == [] and shared.predicted != fork.predicted
     fork.hand_back()
     assert shared.predicted == fork.predicted and shared.accepted == fork.accepted
+
+
+def test_a_request_pays_its_share_of_a_batched_drafter_call():
+    cost = CostModel({"machine": "synthetic"}, 256, {1: 10.0, 2: 11.0}, draft_ms=4.0, draft_batch_ms={4: 8.0, 16: 16.0})
+    assert cost.draft_share(1) == 4.0 and cost.draft_share(4) == 2.0 and cost.draft_share(16) == 1.0
+    assert cost.draft_share(8) == pytest.approx((8.0 + 4 * (16.0 - 8.0) / 12) / 8)
+    assert cost.draft_share(32) == pytest.approx((16.0 + 16 * (16.0 - 8.0) / 12) / 32)  # the last slope beyond
+    again = CostModel.from_json(cost.to_json())
+    assert again.draft_batch_ms == {4: 8.0, 16: 16.0} and again.draft_share(8) == cost.draft_share(8)
+    assert CostModel({"machine": "synthetic"}, 256, {1: 10.0}, draft_ms=4.0).draft_share(8) == 4.0  # no batch times

@@ -3,9 +3,9 @@
 import json
 
 import pytest
+from conftest import hf_greedy
 
 from dartree.cli import main
-from conftest import hf_greedy
 
 
 def test_generate_json_is_lossless(model_dirs, pipelines, capsys):

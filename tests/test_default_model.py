@@ -46,9 +46,9 @@ def test_markov_drafter_reproduces_ar(pipe):
 def test_the_server_answers_like_ar_on_the_default_model(pipe):
     """`dartree serve` once on the real model: a chat request at T = 0 returns ar's text."""
     from openai import OpenAI
+    from test_server import LiveServer
 
     from dartree.server import create_app
-    from test_server import LiveServer
 
     served = dartree.load()
     messages = [{"role": "user", "content": PROMPTS[0]}]

@@ -4,10 +4,10 @@ import json
 
 import pytest
 import torch
+from tiny import make_tiny_drafter
 
-from dartree.drafter import DraftProposer, DrafterConfig, default_target_layer_ids
+from dartree.drafter import DrafterConfig, DraftProposer, default_target_layer_ids
 from dartree.loading import load_drafter, save_drafter
-from dartree.tiny import make_tiny_drafter
 
 
 def test_published_default_layer_ids():
@@ -110,3 +110,41 @@ def test_teacher_forced_block_logits_equal_incremental_logits(model_dirs, head_k
             state = head.advance(state, prev[0, k + 1:k + 2])
     if head_kind == "domino":
         torch.testing.assert_close(block[0], base[0, 0])  # pure-draft prefix slot
+
+
+@pytest.mark.parametrize("head", [None, "domino"])
+def test_one_batched_draft_call_equals_each_request_drafted_alone(model_dirs, head):
+    """draft_batch pads the requests' new context rows and cached keys to the longest and masks the
+    padding: each request's draft and its drafter cache afterwards equal its own call's."""
+    import dartree
+    from dartree.drafter import draft_batch
+
+    pipe = dartree.load(model_dirs[("llama", "target")], model_dirs[("llama", head)], dtype="float64")
+    width = len(pipe.drafter.config.target_layer_ids) * pipe.model.config.hidden_size
+    gen = torch.Generator().manual_seed(0)
+
+    def proposer():
+        return DraftProposer(pipe.drafter, pipe.target.embed_tokens, pipe.target.lm_head)
+
+    # three requests with 0, 5 and 11 cached context rows, then 1, 4 and 2 new ones
+    history = [[], [5], [7, 4]]
+    new_rows = [1, 4, 2]
+    batched, alone = [proposer() for _ in history], [proposer() for _ in history]
+    for b, a, sizes in zip(batched, alone, history):
+        start = 0
+        for n in sizes:
+            f = torch.randn(n, width, generator=gen, dtype=torch.float64)
+            b.draft(3, f, start + n)
+            a.draft(3, f, start + n)
+            start += n
+    starts = [sum(h) + n for h, n in zip(history, new_rows)]
+    feats = [torch.randn(n, width, generator=gen, dtype=torch.float64) for n in new_rows]
+    bonuses = [4, 1, 2]
+    together = draft_batch(batched, bonuses, feats, starts)
+    for out, a, bonus, f, start, b in zip(together, alone, bonuses, feats, starts, batched):
+        ref = a.draft(bonus, f, start)
+        torch.testing.assert_close(out.hidden, ref.hidden, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(out.base_logits, ref.base_logits, rtol=1e-10, atol=1e-10)
+        assert b.cache.length == a.cache.length == start
+        for kb, ka in zip(b.cache.keys + b.cache.values, a.cache.keys + a.cache.values):
+            torch.testing.assert_close(kb, ka, rtol=1e-10, atol=1e-10)

@@ -4,10 +4,11 @@ cancelled request's text a prefix of it, and the round's finish reasons."""
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from conftest import synthetic_cost
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import dartree
-from conftest import synthetic_cost
 from dartree.engine import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP
 from dartree.lean import LeanTarget
 from dartree.settings import GenerationSettings

@@ -5,9 +5,9 @@ import math
 
 import pytest
 import torch
+from tiny import make_tiny_drafter, make_tiny_target
 
 import dartree
-from dartree.tiny import make_tiny_drafter, make_tiny_target
 
 
 @pytest.fixture(scope="module")

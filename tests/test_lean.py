@@ -4,14 +4,15 @@ in float32 by construction."""
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tiny import make_tiny_target
 
 import dartree
 from dartree import kernels
 from dartree.lean import KVStore, LeanTarget, LeanWeights, Rows, forward
 from dartree.loading import load_target
 from dartree.target import TargetAdapter
-from dartree.tiny import make_tiny_target
 from dartree.trees import available_methods
 
 ext = kernels.load()
@@ -117,7 +118,7 @@ def test_a_request_is_unaffected_by_what_shares_its_forward(tiny32, data):
     weights = LeanWeights(tiny32)
     slots = data.draw(st.integers(2, 4))
     store, alone = KVStore(weights, slots=slots), KVStore(weights, slots=1)
-    rows, singles = [], []
+    rows = []
     for s in range(slots):
         past = data.draw(st.integers(1, 30))
         prompt = torch.tensor(data.draw(st.lists(st.integers(0, 63), min_size=past, max_size=past)))

@@ -1,12 +1,12 @@
 """Temperature 0: every method reproduces Hugging Face greedy decoding token for token."""
 
 import pytest
+from conftest import FAMILIES, HEADS, VOCAB, hf_greedy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import FAMILIES, HEADS, VOCAB, hf_greedy
-
-from dartree.trees import BUILDERS, METHODS as ALL_METHODS
+from dartree.trees import BUILDERS
+from dartree.trees import METHODS as ALL_METHODS
 
 TREE_METHODS = tuple(m for m, b in BUILDERS.items() if "budget" in b.reads)
 DRAFT_METHODS = tuple(m for m, b in BUILDERS.items() if b.uses_drafter)
@@ -124,9 +124,9 @@ def test_one_token_prompt(pipelines, family, head):
 
 def test_drafter_with_mask_embedding_and_text_prompt(model_dirs, tmp_path):
     import torch
+    from tiny import make_tiny_drafter
 
     import dartree
-    from dartree.tiny import make_tiny_drafter
 
     target = model_dirs[("llama", "target")]
     drafter = make_tiny_drafter(tmp_path / "d", target, head="domino", use_mask_embedding=True)
@@ -180,9 +180,9 @@ def test_streamer_without_put_and_end_is_refused(pipelines):
 def reduced_vocab_pipelines(model_dirs, tmp_path_factory):
     """Drafters with a reduced output vocabulary (own lm_head over 5 of the 8 target ids + d2t)."""
     import torch
+    from tiny import make_tiny_drafter
 
     import dartree
-    from dartree.tiny import make_tiny_drafter
 
     root = tmp_path_factory.mktemp("reduced")
     out = {}
@@ -223,5 +223,5 @@ def test_reduced_vocabulary_trees_hold_target_ids_of_the_draft_vocabulary(reduce
     draft = pipe.proposer.draft(4, features, 3)
     assert draft.base_logits.shape[-1] == 5
     for method in ("dflash", "ddtree", "domino", "heap", "dartree"):
-        tree = make_builder(method, TreeSettings(budget=16)).propose(draft, pipe.head)
+        tree = make_builder(method, TreeSettings(budget=16)).build_tree(draft, pipe.head)
         assert len(tree) > 0 and set(tree.tokens.tolist()) <= allowed, method

@@ -9,10 +9,9 @@ import math
 
 import pytest
 import torch
+from tiny import make_tiny_drafter, make_tiny_target
 
 import dartree
-import dartree.decoding
-from dartree.tiny import make_tiny_drafter, make_tiny_target
 from dartree.verify import Sampler
 
 VOCAB = 4
@@ -79,6 +78,7 @@ def truth(small_pipes):
 
 
 from dartree.trees import HEAD_METHODS
+
 METHODS_BY_HEAD = [("domino", m) for m in dartree.METHODS] + [("markov", m) for m in HEAD_METHODS]
 
 

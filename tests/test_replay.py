@@ -2,13 +2,13 @@
 
 import pytest
 import torch
+from conftest import FAMILIES, HEADS, VOCAB, synthetic_cost
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import FAMILIES, HEADS, VOCAB, synthetic_cost
-from dartree.errors import DartreeError
 from dartree.bench.replay import replay
-from dartree.budget import AdaptiveBudget
+from dartree.budget import BudgetPolicy
+from dartree.errors import DartreeError
 from dartree.trees import TreeSettings, make_builder
 
 
@@ -64,10 +64,10 @@ def test_replayed_auto_budget_makes_the_decoders_choices(pipelines, family, prom
     as decoding with the same cost model, and the modeled time is what those rounds cost on it."""
     pipe = pipelines[(family, "domino")]
     cost = synthetic_cost(10.0, per_row, draft_ms=2.0, tree_ms=1.0)
-    pipe._cost_model, pipe._budgets = cost, {}  # a fresh policy on this cost model
+    pipe._cost_model, pipe._policies = cost, {}  # a fresh policy on this cost model
     got = pipe.generate(input_ids=prompt, method="dartree", max_new_tokens=max_new, budget="auto", width=3, top_k=8)
-    decoded = next(iter(pipe._budgets.values()))
-    policy, modeled = AdaptiveBudget(cost, max_depth=pipe.proposer.num_depths), {}
+    decoded = next(iter(pipe._policies.values()))
+    policy, modeled = BudgetPolicy(cost, max_depth=pipe.proposer.num_depths), {}
     builder = make_builder("dartree", TreeSettings(budget="auto", width=3, top_k=8))
     output, lengths = replay(pipe, pipe.encode(input_ids=prompt), {"auto": builder}, max_new, set(), cost=cost,
                              policies={"auto": policy}, modeled=modeled)
@@ -89,7 +89,7 @@ def test_replayed_auto_budget_covers_both_regimes(pipelines):
     seen = set()
     for per_row, draft_ms in ((0.05, 0.5), (40.0, 5.0)):
         cost = synthetic_cost(10.0, per_row, draft_ms=draft_ms)
-        policy = AdaptiveBudget(cost, max_depth=pipe.proposer.num_depths)
+        policy = BudgetPolicy(cost, max_depth=pipe.proposer.num_depths)
         for p in range(6):
             replay(pipe, pipe.encode(input_ids=[p, (p + 1) % VOCAB]), {"a": builder}, 30, set(), cost=cost, policies={"a": policy})
         seen |= {min(max(h, 0), 1) for h in policy.history}
@@ -114,7 +114,7 @@ def test_replayed_fixed_budget_models_each_round(pipelines):
 def test_replay_policies_need_a_cost_model_and_ranked_trees(pipelines):
     pipe = pipelines[("llama", "domino")]
     ids = torch.tensor([1, 2])
-    policy = AdaptiveBudget(synthetic_cost(10.0, 1.0))
+    policy = BudgetPolicy(synthetic_cost(10.0, 1.0))
     with pytest.raises(DartreeError, match="needs a cost model"):
         replay(pipe, ids, {"a": make_builder("dartree", TreeSettings(budget="auto"))}, 8, set(), policies={"a": policy})
     with pytest.raises(DartreeError, match="ranked"):

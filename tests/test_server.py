@@ -52,7 +52,7 @@ class LiveServer:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from dartree.tiny import make_tiny_drafter, make_tiny_target
+    from tiny import make_tiny_drafter, make_tiny_target
 
     root = tmp_path_factory.mktemp("serve")
     target = make_tiny_target(root / "target", vocab_size=VOCAB, seed=3, logit_scale=4.0, max_positions=256)

@@ -2,12 +2,12 @@
 
 import pytest
 import torch
+from conftest import FAMILIES
 from transformers import AutoModelForCausalLM
 
 from dartree.target import TargetAdapter
 from dartree.trees import DraftTree
 from dartree.verify import ancestor_matrix, follow_tree
-from conftest import FAMILIES
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -139,6 +139,7 @@ def test_a_round_commits_the_greedy_path_and_compacts_the_cache(hf_model):
     the greedy continuation among decoys commits exactly that continuation and leaves the cache as if
     the committed tokens had been fed one by one."""
     from conftest import hf_greedy
+
     from dartree.engine import Request, run_round
     from dartree.trees import DraftTree, TreeBuilder, TreeSettings
     from dartree.verify import Sampler
@@ -203,7 +204,8 @@ def test_the_walk_asks_for_a_long_likely_path_a_batch_at_a_time():
     """A chain longer than OUTPUT_ROWS_PER_ASK: the output layer runs on the first batch of the path,
     and on the next batch only when the target accepts all of the first."""
     from dartree.trees import DraftTree
-    from dartree.verify import OUTPUT_ROWS_PER_ASK as ask, walk
+    from dartree.verify import OUTPUT_ROWS_PER_ASK as ask
+    from dartree.verify import walk
 
     n = 2 * ask + 3
     chain = DraftTree.chain(torch.arange(100, 100 + n))
@@ -227,8 +229,9 @@ def test_loaded_targets_run_bf16_attention_in_float32_on_cpu(family, model_dirs,
     """load_target's attention is HF's SDPA, upcast to fp32 for a bf16 CPU model (torch's bf16 CPU
     kernel is slower than fp32's): fp32 models are unchanged bit for bit, and a bf16 model calls SDPA
     with fp32 q/k/v and returns bf16 states close to the fp32 model's."""
-    import dartree.loading as loading
     from transformers.integrations import sdpa_attention
+
+    import dartree.loading as loading
 
     path = model_dirs[(family, "target")]
     ids = torch.tensor([[3, 1, 4, 1, 5, 7, 2, 6]])

@@ -5,18 +5,17 @@ import random
 
 import pytest
 import torch
+from conftest import hf_greedy
 from transformers import AutoModelForCausalLM
 
 import dartree
 from dartree.train.data import generate_batch, load_shard, load_shards, save_shard, target_features
 from dartree.train.drafter import TrainConfig, Trainer, block_batch, draft_vocabulary, export, vocabulary_coverage
 
-from conftest import hf_greedy
-
 
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory):
-    from dartree.tiny import make_tiny_target
+    from tiny import make_tiny_target
 
     root = tmp_path_factory.mktemp("train")
     target_dir = make_tiny_target(root / "target", vocab_size=16, hidden_size=32, num_layers=4, seed=7)

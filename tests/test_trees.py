@@ -10,16 +10,8 @@ from hypothesis import strategies as st
 from dartree.drafter import DraftOutput
 from dartree.errors import DartreeError
 from dartree.heads import DominoHead, MarkovHead
-from dartree.trees import (
-    METHODS,
-    DraftTree,
-    TreeSettings,
-    best_first_marginals,
-    make_builder,
-    select_top_b,
-    subtree,
-)
-
+from dartree.trees import METHODS, DraftTree, TreeSettings, make_builder, subtree
+from dartree.trees.common import best_first_marginals, select_top_b
 
 # ---------------------------------------------------------------- Lemma 1
 
@@ -179,7 +171,7 @@ def test_ddtree_is_the_top_b_of_the_factorised_distribution():
 
 def test_domino_chain_uses_the_corrected_argmax():
     draft, head = random_draft(3), random_head("domino", 3)
-    tree = make_builder("domino").build(draft, head, TreeSettings().build_budget)
+    tree = make_builder("domino").build(draft, head, TreeSettings().build_size)
     rnd = head.start_round(draft.hidden, draft.base_logits)
     state = head.initial_state(draft.bonus)
     for slot, token in enumerate(tree.tokens.tolist()):
@@ -206,3 +198,27 @@ def test_early_stop_does_not_change_the_tree(kind, seed, budget, width, beta, sc
     full = grow_supertree(draft, head, 8, lambda s, p: width)
     early = grow_supertree(draft, head, 8, lambda s, p: width, budget=budget, beta=beta)
     assert pick(full) == pick(early)
+
+
+@pytest.mark.parametrize("kind", ["domino", "markov"])
+@settings(max_examples=25, deadline=None)
+@given(seeds=st.lists(st.integers(0, 10_000), min_size=2, max_size=5, unique=True),
+       budgets=st.lists(st.integers(1, 40), min_size=5, max_size=5), width=st.integers(1, 12),
+       top_k=st.sampled_from([3, 8, 40]), beta=st.sampled_from([0.0, -0.2, -1.5]))
+def test_dartree_builds_many_requests_as_it_builds_each_alone(kind, seeds, budgets, width, top_k, beta):
+    """The batched expansion (every live branch of every request corrected in one batch per depth,
+    each request stopping on its own budget) gives each request the tree, ranking and scores it
+    gets alone."""
+    from dartree.trees import BUILDERS
+
+    head = random_head(kind, seeds[0])
+    drafts = [random_draft(s) for s in seeds]
+    sizes = budgets[: len(seeds)]
+    builder = make_builder("dartree", TreeSettings(budget=max(sizes), width=width, top_k=top_k, beta=beta))
+    together = BUILDERS["dartree"].build_many([builder] * len(drafts), drafts, head, sizes)
+    for draft, size, tree in zip(drafts, sizes, together):
+        alone = builder.build(draft, head, size)
+        check_well_formed(tree)
+        assert torch.equal(tree.tokens, alone.tokens) and torch.equal(tree.parents, alone.parents)
+        assert torch.equal(tree.depths, alone.depths) and torch.equal(tree.rank, alone.rank)
+        torch.testing.assert_close(tree.log_probs, alone.log_probs, rtol=1e-12, atol=1e-12)

@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..budget import AdaptiveBudget
+from ..budget import BudgetPolicy
 from ..costmodel import CostModel
-from ..decoding import decode, truncate
+from ..engine import Request, run_alone, truncate
 from ..errors import require
 from ..trees import TreeBuilder, make_builder
 from ..verify import Sampler, follow_tree
@@ -44,7 +44,7 @@ class _Progress:
     done: bool = False
     acceptance_lengths: list[int] = field(default_factory=list)
     tree_seconds: float = 0.0
-    policy: AdaptiveBudget | None = None  # budget "auto": cuts each ranked tree, or takes plain steps
+    policy: BudgetPolicy | None = None  # budget "auto": cuts each ranked tree, or takes plain steps
     modeled_ms: float = 0.0  # the rounds' cost on the cost model
 
     def advance(self, y: list[int], i: int, length: int, stop_ids: set[int], max_new_tokens: int) -> None:
@@ -59,8 +59,7 @@ class _Progress:
 @torch.no_grad()
 def greedy_continuation(pipe, prompt_ids: torch.Tensor, length: int, stop_ids: set[int] = frozenset()) -> list[int]:
     """The target's greedy tokens after the prompt: ``length`` of them, or up to a stop token."""
-    tokens, _ = decode(pipe.target, make_builder("ar"), prompt_ids, length, set(stop_ids), Sampler(0.0))
-    return tokens
+    return run_alone(pipe.target, Request(prompt_ids, make_builder("ar"), Sampler(0.0), length, set(stop_ids))).output
 
 
 def enough_greedy(pipe, prompt_ids: torch.Tensor, max_new_tokens: int, stop_ids: set[int], greedy: list[int] | None = None) -> list[int]:
@@ -90,7 +89,7 @@ def replay(
     greedy: list[int] | None = None,
     timings: dict[str, float] | None = None,
     cost: CostModel | None = None,
-    policies: dict[str, AdaptiveBudget] | None = None,
+    policies: dict[str, BudgetPolicy] | None = None,
     modeled: dict[str, float] | None = None,
 ) -> tuple[list[int], dict[str, list[int]]]:
     """Per-round acceptance lengths (bonus included) that each builder would get at T = 0.
@@ -149,7 +148,7 @@ def replay(
         cached = start
         for run in drafting:
             started = time.perf_counter()
-            tree = run.builder.propose(draft, pipe.head) if run.policy is None else run.policy.propose(run.builder, draft, pipe.head)
+            tree = run.builder.build_tree(draft, pipe.head) if run.policy is None else run.policy.round_tree(run.builder, draft, pipe.head)
             run.tree_seconds += time.perf_counter() - started
             _, row_depths = tree.rows(y[i])
             accepted, _ = follow_tree(tree, choices[i + row_depths])  # the target's choice at row r is y[i + depth(r) + 1]

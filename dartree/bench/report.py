@@ -6,11 +6,10 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..engine import ROUND_STAGES
 from ..errors import DartreeError
 from ..trees import METHODS
 from .runner import PEERS, RunConfig, read_records
-
-STAGES = ("draft", "tree", "verify", "commit")
 
 
 @dataclass
@@ -71,7 +70,7 @@ def summarise(records: list[dict]) -> list[Summary]:
         s.tau_micro = tokens / rounds if rounds else 0.0
         s.tokens_per_second = new / decode if decode > 0 else 0.0
         s.modeled_speedup = modeled_ar_ms / modeled_ms if modeled_ms > 0 else None
-        s.stage_ms_per_round = {k: stages[k] / rounds for k in STAGES if rounds}
+        s.stage_ms_per_round = {k: stages[k] / rounds for k in ROUND_STAGES if rounds}
         s.histogram = dict(sorted(hist.items()))
         out.append(s)
     by = {(s.dataset, s.temperature, s.method, s.config.dtype): s for s in out if s.method in ("ar", "hf-generate")}
@@ -150,7 +149,7 @@ def markdown(summaries: list[Summary], title: str = "dartree benchmark") -> str:
                 f"| {s.dataset} | {_label(s)} | {s.samples} | {tau(s.tau_macro)} | {tau(s.tau_micro)} | "
                 f"{f'{s.tokens_per_second:.1f}' if s.tokens_per_second else '–'} | "
                 f"{f(s.speedup_vs_ar)} | {f(s.speedup_vs_hf)} | "
-                + " | ".join(stage(k) for k in STAGES)
+                + " | ".join(stage(k) for k in ROUND_STAGES)
                 + f" | {s.mismatches} |"
                 + ((f" {f(s.speedup_vs_ar_float32)} | " + (f"{s.matches_ar_float32}/{s.samples} |" if s.config.dtype != "float32" else "– |"))
                    if crossed else "")
@@ -266,7 +265,7 @@ def plots(summaries: list[Summary], out_dir: Path) -> list[Path]:
     if agg:
         labels = list(agg)
         replay_only = not any(s.tokens_per_second for s in rows)  # replay times the tree build alone
-        stages = ("tree",) if replay_only else STAGES
+        stages = ("tree",) if replay_only else ROUND_STAGES
         fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(labels)), 4))
         bottom = [0.0] * len(labels)
         for stage in stages:

@@ -17,11 +17,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ..budget import BudgetPolicy
 from ..costmodel import CostModel
 from ..errors import require
 from ..settings import GenerationSettings
 from ..trees import BUILDERS, TreeSettings, make_builder
 from .datasets import Sample
+from .replay import enough_greedy, replay
 
 try:  # POSIX: lets shards of one run (``dartree bench --shard``) append to the same records file
     import fcntl
@@ -251,9 +253,6 @@ def run_replay(pipe, samples: list[Sample], grid: list[RunConfig], out_path: Pat
     prompt as a pipeline does), each turn also records ``modeled_ms``, the rounds' time on that
     model, and each record the model's one-row step (``modeled_step_ms``): the report turns them
     into a modeled speedup over ``ar``."""
-    from ..budget import AdaptiveBudget
-    from .replay import enough_greedy, replay
-
     configs = [c for c in grid if c.temperature == 0 and c.method not in PEERS and c.method != "ar"]
     out_path.parent.mkdir(parents=True, exist_ok=True)
     records = read_records(out_path)
@@ -261,7 +260,7 @@ def run_replay(pipe, samples: list[Sample], grid: list[RunConfig], out_path: Pat
     todo = [s for s in samples if any((s.dataset, s.sample_id, c.key) not in done for c in configs)]
     stop = pipe.default_stop_ids()
     builders = {c.key: make_builder(c.method, c.tree_settings()) for c in configs}
-    policies = {c.key: AdaptiveBudget(cost, max_depth=pipe.proposer.num_depths) for c in configs if c.budget == "auto"}
+    policies = {c.key: BudgetPolicy(cost, max_depth=pipe.proposer.num_depths) for c in configs if c.budget == "auto"}
     require(cost is not None or not policies, "replaying budget 'auto' needs a cost model")
     # The greedy tokens are the expensive part (a full ar run): keep them, so further grids on the
     # same prompts (ablations) reuse them.

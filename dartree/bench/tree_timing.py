@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
-
-from dataclasses import replace
 
 from ..drafter import DraftOutput
 from ..heads import DominoHead, MarkovHead
@@ -87,14 +85,14 @@ def time_tree_builders(
         order = [(heap, heap_t), (dart, dart_t)] if r % 2 == 0 else [(dart, dart_t), (heap, heap_t)]
         for builder, sink in order:
             t0 = time.perf_counter()
-            tree = builder.build(draft, head, builder.settings.build_budget)
+            tree = builder.build(draft, head, builder.settings.build_size)
             elapsed = time.perf_counter() - t0
             if r >= warmup:
                 sink.append(elapsed * 1000)
                 if builder is dart:
                     reach.append(int(tree.depths.max()))
         if r == warmup:
-            same = heap.build(draft, head, heap.settings.build_budget).paths() == wide.build(draft, head, wide.settings.build_budget).paths()
+            same = heap.build(draft, head, heap.settings.build_size).paths() == wide.build(draft, head, wide.settings.build_size).paths()
     return TreeTiming(hidden, vocab, head_kind, statistics.median(heap_t), statistics.median(dart_t), same,
                       sum(reach) / len(reach))
 

@@ -27,8 +27,9 @@ import torch
 from tqdm import tqdm
 
 from ..errors import DartreeError
-from ..loading import LayerTap
+from ..loading import LayerTap, kv_cache_dtype
 from ..prompts import chat_token_ids, code_prompt, instruction_prompt, math_prompt
+from ..target import all_growing, growing_cache
 
 MBPP_TRAIN_IDS = set(range(511, 975)) | set(range(1, 11))  # 11..510 is MBPP's test split
 
@@ -170,9 +171,6 @@ def prefill_left_padded(model, prompts: list[list[int]], pad_id: int, group: int
     batch), and a left-padded forward computes the padding too, so rows are prefilled ``group`` at a
     time in length order, each group padded only to its own longest prompt, and their K/V are
     stacked right-aligned into one cache (padding slots are masked, so what they hold is unused)."""
-    from ..target import all_growing, growing_cache
-    from ..loading import kv_cache_dtype
-
     device, store = next(model.parameters()).device, kv_cache_dtype(model)
     n, width = len(prompts), max(len(p) for p in prompts)
     attn = torch.zeros((n, width), dtype=torch.long, device=device)
@@ -221,8 +219,6 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, tempera
     rows whose response has ended leave the batch. Measured against a full-length static cache (64
     prompts, 256 new tokens, SmolLM2-135M bf16, one thread on an AVX512_BF16 EPYC beside a training
     job): 239.6 s -> 87.0 s for the batch, 52 -> 148 tokens/s."""
-    from ..target import all_growing
-
     device = next(model.parameters()).device
     logits, cache, attn = prefill_left_padded(model, prompts, pad_id)
     n = len(prompts)

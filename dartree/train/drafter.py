@@ -31,10 +31,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..cliargs import add_threads_arg
-from ..drafter import DrafterConfig, DrafterModel, DraftOutput
+from ..drafter import DrafterConfig, DrafterLayer, DrafterModel, DraftOutput
 from ..errors import DartreeError
-from ..hardware import set_threads
 from ..loading import load_drafter, save_drafter
 from ..trees import DARTreeBuilder, TreeSettings
 from .data import Sequence, load_shards, shard_files, target_features
@@ -172,8 +170,6 @@ def grow_layers(model: DrafterModel, layers: int, seed: int = 0) -> None:
     """Append randomly initialised layers whose output projections (attention ``o_proj``, MLP
     ``down_proj``) start at zero: each new layer adds nothing to the residual stream, so the grown
     drafter computes exactly what the trained one did and training only has to learn the increment."""
-    from ..drafter import DrafterLayer
-
     have = model.config.num_hidden_layers
     if layers < have:
         raise DartreeError(f"--layers {layers} is fewer than the {have} layers of the drafter being resumed")
@@ -417,7 +413,7 @@ class Trainer:
     def _tree_acceptance(self, builder, bonus, hidden, base, labels, valid) -> int:
         """Accepted length (bonus included) of the target's own continuation in a dartree tree."""
         draft = DraftOutput(bonus=bonus, hidden=hidden, base_logits=base, d2t=self.model.d2t)
-        tree = builder.propose(draft, self.model.head)
+        tree = builder.build_tree(draft, self.model.head)
         children: dict[tuple[int, int], int] = {}
         for row, (tok, parent) in enumerate(zip(tree.tokens.tolist(), tree.parents.tolist()), start=1):
             children[(parent, tok)] = row
@@ -491,91 +487,3 @@ def export(checkpoint: str | Path, dest: str | Path, dtype=torch.bfloat16) -> No
         state = torch.load(state_path, weights_only=False, map_location="cpu")
         record = {"step": state["step"], "config": state["config"]}
         (Path(dest) / TRAINING_RECORD).write_text(json.dumps(record, indent=2) + "\n")
-
-
-def add_drafter_args(steps) -> None:
-    for name, helptext in (("drafter", "train the block drafter with its Domino head (curriculum)"),
-                           ("markov", "train a Markov head on a trained, frozen drafter")):
-        p = steps.add_parser(name, help=helptext)
-        p.add_argument("--target", help="target directory (default: bundled SmolLM2-135M-Instruct)")
-        p.add_argument("--data", default="runs/data", help="shard folder written by `dartree train data` (default runs/data)")
-        p.add_argument("--prompts", default="../shared/prompts",
-                       help="training prompts folder; its human-written text ranks the draft-vocabulary tokens the responses leave undecided")
-        p.add_argument("--out", default=f"runs/{name}")
-        p.add_argument("--steps", type=int, default=TrainConfig.steps)
-        p.add_argument("--seqs-per-step", type=int, default=TrainConfig.seqs_per_step)
-        p.add_argument("--anchors", type=int, default=TrainConfig.anchors, help="anchors per sequence and step (all from one target forward)")
-        p.add_argument("--draft-vocab", type=int, default=TrainConfig.draft_vocab,
-                       help="reduced draft vocabulary V_d: the most frequent target-written tokens (0: the target's whole vocabulary)")
-        p.add_argument("--base-weight", type=float, default=TrainConfig.base_weight, help="weight of the base-logit loss after the curriculum")
-        p.add_argument("--tapped", default=",".join(map(str, TrainConfig().tapped)), help="target layers the drafter reads")
-        p.add_argument("--layers", type=int, default=TrainConfig.layers,
-                       help="drafter layers (default: 1 for a new drafter; a resumed one keeps its own, or with "
-                            "--resume-from grows to this many: new layers start as the identity, so training continues "
-                            "from what the drafter already computes)")
-        p.add_argument("--gru", type=int, default=TrainConfig.gru)
-        p.add_argument("--rank", type=int, default=TrainConfig.rank)
-        p.add_argument("--markov-rank", type=int, default=TrainConfig.markov_rank)
-        p.add_argument("--lr", type=float, default=TrainConfig.lr)
-        p.add_argument("--eval-every", type=int, default=TrainConfig.eval_every)
-        p.add_argument("--max-minutes", type=float, default=None, help="stop cleanly after this long; rerun to resume")
-        p.add_argument("--device", default="auto", help="auto (default: a GPU when there is one, else the CPU), cpu, cuda or cuda:N")
-        p.add_argument("--export", help="after training, write a bf16 copy of the drafter here")
-        add_threads_arg(p)
-        p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
-                       help="the frozen target's dtype for the teacher-forced forward (auto: bfloat16 where native, else float32)")
-        p.add_argument("--compute-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
-                       help="the drafter's forward and backward products: bfloat16 autocast (weights, optimiser and losses "
-                            "stay float32) or float32; auto: bfloat16 where native (measured 2-2.5x faster products on AVX512-BF16)")
-        p.add_argument("--rescan-every", type=int, default=TrainConfig.rescan_every,
-                       help="steps between looks for new shards in --data, so a `dartree train data` job running beside "
-                            "training feeds it as it writes (0: never)")
-        p.add_argument("--feature-cache-gb", type=float, default=TrainConfig.feature_cache_gb,
-                       help="memory for the target's features of training sequences, so later epochs skip its forward (0: off)")
-        if name == "drafter":
-            p.add_argument("--resume-from", help="continue training these drafter weights (e.g. dartree/assets/smollm2-drafter-domino) "
-                           "at the step in its training.json, when --out has no checkpoint yet")
-        if name == "markov":
-            p.add_argument("--init-drafter", default="runs/drafter/checkpoint", help="trained drafter whose backbone is kept")
-        p.set_defaults(func=_run_train, stage=name)
-
-
-def _run_train(args) -> int:
-    from ..default_model import default_target_dir
-    from ..loading import load_target, resolve_device
-
-    torch.manual_seed(0)
-    if args.layers is not None and args.layers < 1:
-        raise DartreeError(f"--layers must be at least 1, got {args.layers}")
-    set_threads(args.threads)
-    device = resolve_device(args.device)
-    from ..hardware import inexact_work_dtype
-
-    # The frozen target only computes features and teacher distributions: bf16 where it is native
-    # (measured ~1.8x faster on an AVX-512-BF16 CPU). The drafter keeps fp32 weights, optimiser and
-    # losses; its products run under bf16 autocast where bf16 is native (--compute-dtype).
-    dtype = inexact_work_dtype(args.dtype, device)
-    target = load_target(Path(args.target) if args.target else default_target_dir(), dtype, device)
-    cfg = TrainConfig(data=args.data, out=args.out, steps=args.steps, seqs_per_step=args.seqs_per_step, anchors=args.anchors,
-                      draft_vocab=args.draft_vocab, base_weight=args.base_weight, tapped=[int(x) for x in args.tapped.split(",")],
-                      layers=args.layers, gru=args.gru, rank=args.rank, markov_rank=args.markov_rank, lr=args.lr,
-                      eval_every=args.eval_every, save_every=args.eval_every, max_minutes=args.max_minutes,
-                      device=str(device), autocast=inexact_work_dtype(args.compute_dtype, device) == torch.bfloat16,
-                      feature_cache_gb=args.feature_cache_gb, rescan_every=args.rescan_every)
-    if args.stage == "markov":
-        cfg.init_drafter = args.init_drafter
-    else:
-        cfg.resume_from = args.resume_from
-    prior = None
-    if args.stage == "drafter" and cfg.draft_vocab and Path(args.prompts).is_dir() and not (Path(cfg.out) / "checkpoint").is_dir():
-        from ..loading import load_tokenizer
-        from .data import reference_token_counts
-
-        tokenizer = load_tokenizer(Path(args.target) if args.target else default_target_dir())
-        if tokenizer is not None:
-            prior = reference_token_counts(args.prompts, tokenizer, target.config.vocab_size)
-    ckpt = Trainer(target, cfg, args.stage, vocab_prior=prior).run()
-    if args.export:
-        export(ckpt, args.export)
-        print(f"exported {ckpt} -> {args.export}")
-    return 0

@@ -1,6 +1,6 @@
 """Tiny random targets and drafters, saved to disk in the real formats.
 
-Used by the tests and handy for experiments: a Llama or Qwen3 causal LM with a few layers and a small
+The tests' fixtures: a Llama or Qwen3 causal LM with a few layers and a small
 vocabulary, a word-level tokenizer, and a DFlash-format drafter (optionally with a Domino or Markov
 head) that loads through the same code path as a published checkpoint.
 """
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from .drafter import DrafterConfig, DrafterModel
-from .loading import save_drafter
+from dartree.drafter import DrafterConfig, DrafterModel
+from dartree.loading import save_drafter
 
 
 def make_tiny_target(

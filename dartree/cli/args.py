@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .trees import BUILDERS, TreeSettings
+from ..trees import BUILDERS, TreeSettings
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -29,33 +29,27 @@ def add_threads_arg(p: argparse.ArgumentParser) -> None:
 
 
 def add_tree_args(p: argparse.ArgumentParser) -> None:
-    """--budget/--width/--top-k/--beta, with the defaults and help of ``TreeSettings`` and the methods
-    that read each one taken from the registry."""
+    """The tree settings' arguments (--budget, --width, ...), as ``TreeSettings`` declares them, with
+    the methods that read each one taken from the registry."""
     g = p.add_argument_group("tree settings")
-    defaults = TreeSettings()
-    flags = {"budget": ("--budget", "-B"), "width": ("--width", "-W"), "top_k": ("--top-k", "-K"), "beta": ("--beta",),
-             "max_budget": ("--max-budget",)}
-    types = {"budget": budget_value, "width": int, "top_k": int, "beta": float, "max_budget": int}
-    for name, names in flags.items():
+    for setting in TreeSettings.declarations():
+        name, meta = setting.name, setting.metadata
         readers = ", ".join(m for m, b in BUILDERS.items() if name in b.reads or (name == "max_budget" and b.ranked))
-        default = getattr(defaults, name)
-        g.add_argument(*names, dest=name, type=types[name], default=default,
-                       help=f"{TreeSettings.HELP[name]} ({readers}; default {default})")
+        g.add_argument(*meta["flags"], dest=name, type=_argument_type(meta["parse"], name), default=setting.default,
+                       help=f"{meta['help']} ({readers}; default {setting.default})")
 
 
-def budget_value(text: str) -> int | str:
-    """--budget takes an integer or 'auto'."""
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
+def _argument_type(parse, name: str):
+    def read(text: str):
+        try:
+            return parse(text)
+        except ValueError:
+            expected = "an integer or 'auto'" if name == "budget" else f"a {parse.__name__}"
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    read.__name__ = name
+    return read
 
 
 def tree_settings(args) -> TreeSettings:
-    """The validated TreeSettings of parsed --budget/--width/--top-k/--beta."""
-    return TreeSettings(budget=args.budget, width=args.width, top_k=args.top_k, beta=args.beta,
-                        max_budget=args.max_budget).validate()
-
-
+    """The validated TreeSettings of the parsed tree arguments."""
+    return TreeSettings(**{s.name: getattr(args, s.name) for s in TreeSettings.declarations()}).validate()

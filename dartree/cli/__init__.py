@@ -6,11 +6,15 @@ import argparse
 import json
 import sys
 
-from .cliargs import OneLineErrorParser, add_model_args, add_threads_arg, add_tree_args, tree_settings
-from .errors import DartreeError
-from .hardware import set_threads
-from .settings import DEFAULT_METHOD, GenerationSettings
-from .trees import METHODS
+from ..calibration import load_or_measure
+from ..errors import DartreeError
+from ..pipeline import load as load_pipeline
+from ..settings import DEFAULT_METHOD, GenerationSettings
+from ..trees import METHODS
+from .args import OneLineErrorParser, add_model_args, add_threads_arg, add_tree_args, tree_settings
+from .bench import add_bench_parser, add_bench_tree_parser
+from .serve import add_serve_parser
+from .train import add_train_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,11 +62,6 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--json", action="store_true", help="print the cost model as JSON")
     cal.set_defaults(func=_run_calibrate)
 
-    from .bench.cli import add_bench_parser, add_bench_tree_parser
-    from .train.cli import add_train_parser
-
-    from .server import add_serve_parser
-
     add_bench_tree_parser(sub)
     add_train_parser(sub)
     add_bench_parser(sub)
@@ -71,8 +70,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_generate(args) -> int:
-    import dartree
-
     # Every setting is checked before the model loads (which takes seconds).
     settings = GenerationSettings(
         method=args.method, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
@@ -80,8 +77,7 @@ def _run_generate(args) -> int:
     ).validate()
     if not args.prompt.strip():
         raise DartreeError("the prompt is empty; give some text")
-    set_threads(args.threads)
-    pipe = dartree.load(args.target, args.drafter, dtype=args.dtype, device=args.device, threads=args.threads)
+    pipe = load_pipeline(args.target, args.drafter, dtype=args.dtype, device=args.device, threads=args.threads)
     kwargs = dict(settings=settings)
     streaming = not args.json and pipe.tokenizer is not None
     if streaming:  # print the text as each round is verified
@@ -117,15 +113,10 @@ def _run_generate(args) -> int:
 
 
 def _run_calibrate(args) -> int:
-    import dartree
-
-    from .costmodel import load_or_measure
-
     if args.context < 1:
         raise DartreeError(f"--context must be >= 1, got {args.context}")
-    set_threads(args.threads)
-    pipe = dartree.load(args.target, args.drafter, dtype=args.dtype, device=args.device, threads=args.threads)
-    cost = load_or_measure(pipe, args.context, remeasure=args.remeasure)
+    pipe = load_pipeline(args.target, args.drafter, dtype=args.dtype, device=args.device, threads=args.threads)
+    cost = load_or_measure(pipe.target, pipe.proposer, pipe.head, args.context, remeasure=args.remeasure)
     print(cost.to_json() if args.json else cost.table())
     if args.plot:
         print(f"\ncost curve drawn in {cost.plot(args.plot)}", file=sys.stderr)

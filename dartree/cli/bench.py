@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import sys
 from dataclasses import replace
 from pathlib import Path
 
-from ..cliargs import add_threads_arg, add_tree_args, budget_value, tree_settings
+from ..bench.datasets import DATASETS, load_samples, select
+from ..bench.report import build_report
+from ..bench.runner import PEERS, build_grid, run, run_replay
+from ..bench.tree_timing import format_table, time_tree_builders
+from ..costmodel import CostModel
 from ..errors import DartreeError
 from ..hardware import set_threads
-from ..trees import METHODS, TreeSettings
-from .datasets import DATASETS
-from .runner import PEERS
+from ..loading import parse_dtype
+from ..pipeline import load as load_pipeline
+from ..trees import METHODS, TreeSettings, builder_class, parse_budget
+from .args import add_threads_arg, add_tree_args, tree_settings
 
 DEFAULT_METHODS = ",".join(METHODS + PEERS)
 
@@ -43,10 +47,8 @@ def add_bench_tree_parser(sub) -> None:
 def _run_bench_tree(args) -> int:
     from tqdm import tqdm
 
-    from .tree_timing import format_table, time_tree_builders
-
     settings = tree_settings(args)
-    settings = replace(settings, budget=settings.build_budget)  # bench-tree times one fixed size
+    settings = replace(settings, budget=settings.build_size)  # bench-tree times one fixed size
     set_threads(args.threads)
     try:
         sizes = [tuple(int(x) for x in item.lower().split("x")) for item in args.sizes.split(",")]
@@ -132,8 +134,8 @@ def _floats(text, name):
 
 def _budgets(text):
     try:
-        return [budget_value(x.strip()) for x in text.split(",") if x.strip()]
-    except argparse.ArgumentTypeError:
+        return [parse_budget(x.strip()) for x in text.split(",") if x.strip()]
+    except ValueError:
         raise DartreeError(f"--budgets takes comma-separated integers or 'auto', got {text!r}") from None
 
 
@@ -158,18 +160,11 @@ def parse_shard(text: str | None) -> tuple[int, int]:
 
 
 def run_bench(args) -> int:
-    from .report import build_report
-
     if args.report:
         path = build_report(args.report)
         print(f"wrote {path}")
         return 0
 
-
-    import dartree
-
-    from .datasets import load_samples, select
-    from .runner import PEERS, build_grid, run, run_replay
 
     datasets = list(DATASETS) if args.datasets == "all" else [d.strip() for d in args.datasets.split(",")]
     for d in datasets:
@@ -177,12 +172,9 @@ def run_bench(args) -> int:
             raise DartreeError(f"unknown dataset {d!r}; choose from {', '.join(DATASETS)} or 'all'")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for m in methods:
-        if m not in METHODS and m not in PEERS:
-            raise DartreeError(f"unknown method {m!r}; choose from {', '.join(METHODS + PEERS)}")
+        builder_class(m, others=PEERS)
     temps = _floats(args.temperatures, "temperatures")
     budgets, widths, betas = _budgets(args.budgets), _ints(args.widths, "widths"), _floats(args.betas, "betas")
-    from ..loading import parse_dtype
-
     try:
         dtypes = list(dict.fromkeys(str(parse_dtype(d.strip())).removeprefix("torch.") for d in args.dtype.split(",") if d.strip()))
     except (DartreeError, ValueError, TypeError) as exc:
@@ -194,14 +186,13 @@ def run_bench(args) -> int:
         if c.method not in PEERS:
             c.settings(args.max_new_tokens, args.seed).validate()
     shard_index, shard_count = parse_shard(args.shard)
-    set_threads(args.threads)
     if args.cost_model and not args.replay:
         raise DartreeError("--cost-model models the time of replayed rounds; add --replay (decoded runs measure time)")
     if args.replay and temps != [0.0]:
         raise DartreeError("--replay measures temperature 0 only; drop --temperatures")
     if args.replay and len(dtypes) > 1:
         raise DartreeError("--replay takes one --dtype (replay measures acceptance, not time)")
-    pipes = {d: dartree.load(args.target, args.drafter, dtype=d, threads=args.threads) for d in dtypes}
+    pipes = {d: load_pipeline(args.target, args.drafter, dtype=d, threads=args.threads) for d in dtypes}
     pipe = pipes[dtypes[0]]
     missing = [m for m in methods if m not in PEERS and m not in pipe.methods]
     if missing:
@@ -218,8 +209,6 @@ def run_bench(args) -> int:
     if args.replay:
         cost = None
         if args.cost_model:
-            from ..costmodel import CostModel
-
             try:
                 cost = CostModel.from_json(Path(args.cost_model).read_text())
             except (OSError, ValueError, TypeError, KeyError) as exc:

@@ -1,0 +1,184 @@
+"""Measuring the cost model on this machine, once per (target, drafter, device, dtype, threads,
+machine, kernels):
+
+- a target forward over n rows (n = 1, 2, 3, 4, 6, ... 128) appended to a context of ``context``
+  tokens, with the output layer over the rows a walk asks for first (the likely path, at most
+  ``verify.OUTPUT_ROWS_PER_ASK`` rows): the verify stage of the round (``engine.run_round``) for a
+  tree of n - 1 nodes; n = 1 is a plain decoding step;
+- one drafter call (a round's draft, with a couple of new context rows, as in steady decoding), and
+  one call for 4 and for 16 requests at once (``drafter.draft_batch``);
+- the ``dartree`` tree build at the largest budget.
+
+The parts are handed in (the target adapter, the drafter's proposer, the correction head); the
+result is cached as JSON under ``.cache/costmodel/``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from . import kernels
+from .costmodel import CostModel
+from .default_model import cache_root
+from .drafter import DraftProposer, draft_batch
+from .engine import Part, Request, run_round
+from .hardware import describe_machine
+from .heads import CorrectionHead
+from .trees import DraftTree, TreeBuilder, TreeSettings, make_builder
+from .verify import Sampler
+
+ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+DRAFT_BATCHES = (4, 16)  # requests in one timed batched drafter call
+# Part of a cached model's identity: raised whenever what is timed changes, so that older caches are measured again.
+COST_MODEL_VERSION = 8
+
+
+def identity(target, proposer=None) -> dict:
+    """What a cost model depends on: the target and its forward, the drafter, the machine."""
+    cfg = target.config
+    drafter = proposer.model.config if proposer is not None else None
+    return {
+        "target": f"{cfg.model_type}-L{cfg.num_hidden_layers}-H{cfg.hidden_size}-V{cfg.vocab_size}",
+        "drafter": "none" if drafter is None else
+                   f"L{drafter.num_hidden_layers}-b{drafter.block_size}-V{drafter.output_vocab_size}-{drafter.projector_type}",
+        "device": str(target.device),
+        "dtype": str(target.dtype).removeprefix("torch."),
+        "forward": target.kind,  # lean (lean.py) or hf (target.py)
+        "kernels": kernels.build_dir().name,  # the lean kernels' source and build: changed kernels, new times
+        "threads": torch.get_num_threads(),
+        "machine": describe_machine(),
+        "version": COST_MODEL_VERSION,
+    }
+
+
+def cache_path(ident: dict, context: int) -> Path:
+    digest = hashlib.sha1(json.dumps([ident, context], sort_keys=True).encode()).hexdigest()[:16]
+    return cache_root() / "costmodel" / f"{digest}.json"
+
+
+def _median_ms(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(1000.0 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+class _Chain(TreeBuilder):
+    """The cost model's round: the root and a chain of fixed tokens (not a method; no drafter)."""
+
+    name = "cost-model chain"
+    uses_drafter = False
+
+    def __init__(self, tokens: torch.Tensor):
+        super().__init__(TreeSettings())
+        self.tokens = tokens
+
+    def build(self, draft, head, size):
+        return DraftTree.chain(self.tokens)
+
+
+@torch.no_grad()
+def measure(target, proposer: DraftProposer | None = None, head: CorrectionHead | None = None, context: int = 256,
+            rows=ROWS, repeats: int = 5, max_budget: int = 64, progress: bool = True) -> CostModel:
+    """Time ``target``'s verification forwards, ``proposer``'s drafter call and the ``dartree`` tree
+    build with ``head`` on this machine. A forward of n rows is timed as the verify stage of the
+    round every request runs (``engine.run_round``): one request whose tree is a chain of n - 1
+    tokens after a context of ``context`` tokens, in slot 0, cut back to the context after each."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = target.config.vocab_size
+    device = target.device
+    prompt = torch.randint(vocab, (context,), generator=gen).to(device)
+    bonus = int(prompt[-1])
+    target.reserve_slots(1)
+    target.reset_slot(0)
+    target.capture = proposer is not None
+    features = target.forward_parts([Part(0, prompt, torch.arange(context, device=device),
+                                          torch.ones(context, context, dtype=torch.bool, device=device).tril())])[0][1]
+    target.keep(0, 0, torch.arange(context, device=device))
+    requests = {n: Request(prompt, _Chain(torch.randint(vocab, (n - 1,), generator=gen).to(device)), Sampler(0.0), 1 << 30,
+                           set(), slot=0, output=[bonus], prefilled=context, bonus=bonus) for n in rows}
+
+    def forward(n: int) -> float:
+        r = requests[n]
+        r.output, r.bonus = [bonus], bonus
+        before = r.stats.stage_ms.get("verify", 0.0)
+        run_round(target, [r])
+        target.keep(0, context, torch.zeros(0, dtype=torch.long, device=device))  # back to the context
+        return r.stats.stage_ms["verify"] - before
+
+    # Sizes take turns, one forward each per pass, so a machine whose speed drifts (a shared or
+    # throttled CPU) shifts every size alike instead of bending the curve; each size's median counts.
+    times = {n: [] for n in rows}
+    for n in rows:
+        forward(n)  # warm-up
+    for _ in tqdm(range(repeats), desc="timing target forwards", unit="pass", disable=not progress):
+        for n in rows:
+            times[n].append(forward(n))
+    verify_ms = {n: statistics.median(ts) for n, ts in times.items()}
+    draft_ms = tree_ms = 0.0
+    draft_batch_ms: dict[int, float] = {}
+    if proposer is not None:
+        def draft_call():
+            proposer.reset()
+            proposer.draft(bonus, features[: context - 2], context - 2)  # the drafter's own prefill
+            t0 = time.perf_counter()
+            out = proposer.draft(bonus, features[context - 2:], context)  # a steady round: 2 new rows
+            return out, 1000.0 * (time.perf_counter() - t0)
+
+        draft_call()
+        timed = [draft_call() for _ in range(repeats)]
+        draft_ms = statistics.median(ms for _, ms in timed)
+        for size in DRAFT_BATCHES:  # one call for several requests, each with its own cache and context
+            group = [DraftProposer(proposer.model, proposer.embed_tokens, proposer.lm_head) for _ in range(size)]
+
+            # 2-5 new context rows each (requests accept different run lengths)
+            cuts = [max(context - 2 - i % 4, 1) for i in range(size)]
+
+            def batch_call():
+                for p, cut in zip(group, cuts):
+                    p.reset()
+                    p.draft(bonus, features[:cut], cut)
+                t0 = time.perf_counter()
+                draft_batch(group, [bonus] * size, [features[cut:context] for cut in cuts], [context] * size)
+                return 1000.0 * (time.perf_counter() - t0)
+
+            batch_call()
+            draft_batch_ms[size] = statistics.median(batch_call() for _ in range(repeats))
+        if head is not None:
+            draft = timed[-1][0]
+            builder = make_builder("dartree", TreeSettings(budget=max_budget))
+            tree_ms = _median_ms(lambda: builder.build_tree(draft, head), repeats)
+    target.reset_slot(0)
+    target.capture = True
+    return CostModel(identity(target, proposer), context, verify_ms, draft_ms, tree_ms, draft_batch_ms)
+
+
+def load_or_measure(target, proposer: DraftProposer | None = None, head: CorrectionHead | None = None, context: int = 256,
+                    remeasure: bool = False, progress: bool = True) -> CostModel:
+    """The cached cost model of (``target``, ``proposer``, ``head``) on this machine, measured (and
+    cached) when missing."""
+    ident = identity(target, proposer)
+    path = cache_path(ident, context)
+    if path.is_file() and not remeasure:
+        try:
+            return CostModel.from_json(path.read_text())
+        except (json.JSONDecodeError, KeyError, TypeError):
+            pass  # a corrupt cache file is measured again
+    if progress:
+        print(f"dartree: measuring this machine's cost model once (cached in {path.parent}); "
+              "`dartree calibrate` shows it", file=sys.stderr)
+    model = measure(target, proposer, head, context, progress=progress)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(model.to_json())
+    return model

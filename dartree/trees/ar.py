@@ -1,0 +1,17 @@
+"""``ar``: plain autoregressive decoding (no draft)."""
+
+from __future__ import annotations
+
+from .base import TreeBuilder, register
+from .tree import DraftTree
+
+
+@register
+class AutoregressiveBuilder(TreeBuilder):
+    """No draft at all: each round verifies only the root, i.e. plain decoding."""
+
+    name = "ar"
+    uses_drafter = False
+
+    def build(self, draft, head, size):
+        return DraftTree.empty()

@@ -1,0 +1,141 @@
+"""What every method shares: the tree settings, the builder interface and the registry."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, replace
+
+from ..errors import DartreeError
+from ..heads import CorrectionHead
+from .tree import DraftTree
+
+
+def parse_budget(text: str) -> int | str:
+    """A budget as written on a command line or in a list: an integer or 'auto'."""
+    return text if text == "auto" else int(text)
+
+
+def _setting(default, help: str, flags: tuple[str, ...], request: str, parse=int):
+    """One tree setting's declaration: its default, its help, its command-line flags, its name as a
+    request field of ``dartree serve`` and how to read it from text. The CLI, the server and the
+    bench derive their arguments and fields from these; the methods that read a setting come from
+    the registry (``TreeBuilder.reads``)."""
+    return field(default=default, metadata={"help": help, "flags": flags, "request": request, "parse": parse})
+
+
+@dataclass(frozen=True)
+class TreeSettings:
+    """The tree settings and their defaults (the paper's), in one place; each builder declares which
+    of them it reads (``TreeBuilder.reads``)."""
+
+    budget: int | str = _setting(  # B; "auto": chosen every round (budget.py)
+        "auto", "tree nodes verified per round, root excluded, or 'auto' (chosen every round from the measured cost model)",
+        ("--budget", "-B"), "budget", parse_budget)
+    width: int = _setting(12, "branches kept per depth", ("--width", "-W"), "width")  # W
+    # K; a request's "top_k" is sampling top-k, as in vLLM, so DARTree's K is "tree_top_k" there
+    top_k: int = _setting(64, "candidate tokens per depth", ("--top-k", "-K"), "tree_top_k")
+    beta: float = _setting(-0.2, "depth bonus of the final top-B, must be <= 0", ("--beta",), "beta", float)
+    max_budget: int = _setting(64, "with --budget auto: the largest tree built each round", ("--max-budget",), "max_budget")
+
+    @classmethod
+    def declarations(cls):
+        """The settings' dataclass fields, each with its ``metadata`` (help, flags, request, parse)."""
+        return fields(cls)
+
+    @property
+    def auto(self) -> bool:
+        return self.budget == "auto"
+
+    @property
+    def build_size(self) -> int:
+        """The size builders build at: the budget, or ``max_budget`` when the budget is chosen per round."""
+        return self.max_budget if self.auto else self.budget
+
+    def validate(self) -> "TreeSettings":
+        if isinstance(self.budget, str) and self.budget != "auto":
+            raise DartreeError(f"budget must be an integer >= 1 or 'auto', got {self.budget!r}")
+        for name in ("width", "top_k", "max_budget") + (() if self.auto else ("budget",)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise DartreeError(f"{name} must be an integer >= 1, got {value!r}")
+        if not (isinstance(self.beta, (int, float)) and math.isfinite(self.beta)):
+            raise DartreeError(f"beta must be a finite number <= 0, got {self.beta!r}")
+        if self.beta > 0:
+            raise DartreeError(
+                f"beta must be <= 0, got {self.beta}: with a positive depth bonus a child can outscore its parent, "
+                "so the global top-B is no longer a valid (ancestor-closed) tree"
+            )
+        return self
+
+
+BUILDERS: dict[str, type["TreeBuilder"]] = {}
+
+
+def register(cls: type["TreeBuilder"]) -> type["TreeBuilder"]:
+    """Add a method to the registry: its name, what it needs and which settings it reads are
+    declared on the class, and everything else (METHODS, CLI choices, bench grids, report order,
+    ``Pipeline.methods``, test parametrisations) derives from here. Order = registration order."""
+    if cls.name in BUILDERS:
+        raise ValueError(f"method {cls.name!r} registered twice")
+    unknown = set(cls.reads) - set(TreeSettings.__dataclass_fields__)
+    if unknown:
+        raise ValueError(f"method {cls.name!r} reads unknown settings {sorted(unknown)}")
+    BUILDERS[cls.name] = cls
+    return cls
+
+
+class TreeBuilder:
+    """One method: turns one round's draft into a tree. Subclasses set the class attributes below
+    and implement ``build``; ``@register`` makes them a method."""
+
+    name = ""
+    uses_drafter = True  # False: no drafter call at all (plain decoding)
+    needs_head = False  # True: needs a correction head (Domino or Markov)
+    reads: tuple[str, ...] = ()  # the TreeSettings fields this method uses
+    ranked = False  # True: its trees carry a ranking whose prefixes are trees (budget "auto" cuts them)
+
+    def __init__(self, settings: TreeSettings):
+        self.settings = settings
+
+    @property
+    def cut_per_round(self) -> bool:
+        """Whether budget "auto" applies: its trees are ranked and the budget is chosen per round, so a
+        budget policy cuts each round's tree to the prefix worth verifying."""
+        return self.ranked and self.settings.auto
+
+    def build(self, draft, head: CorrectionHead | None, size: int) -> DraftTree:
+        """The tree over draft ids (the draft's output vocabulary), of at most ``size`` nodes."""
+        raise NotImplementedError
+
+    @staticmethod
+    def build_many(builders: list["TreeBuilder"], drafts: list, head: CorrectionHead | None,
+                   sizes: list[int]) -> list[DraftTree]:
+        """The trees of several requests of one method (over draft ids, as ``build``): one at a time
+        here; a method whose expansion batches across requests overrides it (``dartree``)."""
+        return [b.build(d, head, n) for b, d, n in zip(builders, drafts, sizes)]
+
+    def build_tree(self, draft, head: CorrectionHead | None, size: int | None = None) -> DraftTree:
+        """The tree over target ids, ready to verify. ``size``: build at most this many nodes this
+        round instead of ``settings.build_size`` (budget "auto" builds no more than it may verify)."""
+        return build_trees([self], [draft], head, [size])[0]
+
+
+def build_trees(builders: list[TreeBuilder], drafts: list, head: CorrectionHead | None,
+                sizes: list[int | None]) -> list[DraftTree]:
+    """Each request's tree over target ids, ready to verify (``sizes[i]``: build at most this many
+    nodes instead of ``settings.build_size``; budget "auto" builds no more than it may verify).
+    Requests of one method and the same settings are built together (``TreeBuilder.build_many``)."""
+    sizes = [b.settings.build_size if n is None else n for b, n in zip(builders, sizes)]
+    trees: list[DraftTree | None] = [None] * len(builders)
+    groups: dict[tuple, list[int]] = {}
+    for i, b in enumerate(builders):
+        groups.setdefault((type(b), b.settings), []).append(i)
+    for members in groups.values():
+        kind = type(builders[members[0]])
+        built = kind.build_many([builders[i] for i in members], [drafts[i] for i in members], head, [sizes[i] for i in members])
+        for i, tree in zip(members, built):
+            draft = drafts[i]
+            if getattr(draft, "d2t", None) is not None and len(tree):
+                tree = replace(tree, tokens=draft.to_target(tree.tokens))
+            trees[i] = tree
+    return trees

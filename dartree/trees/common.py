@@ -1,0 +1,94 @@
+"""Pieces several builders use: best-first marginal trees, the corrected chain, the global top-B."""
+
+from __future__ import annotations
+
+import heapq
+
+import torch
+
+from ..errors import DartreeError
+from ..heads import CorrectionHead
+from .tree import DraftTree
+
+
+def best_first_marginals(logprobs: torch.Tensor, budget: int) -> DraftTree:
+    """DDTree: the top-B prefixes under a factorised distribution, by a best-first heap.
+
+    logprobs [D, V] per-depth log-probabilities. A popped node pushes its next sibling and its
+    first child, so each pop costs O(log B).
+    """
+    depth_count = logprobs.shape[0]
+    k = min(budget, logprobs.shape[1])
+    top_lp, top_ids = logprobs.topk(k, dim=-1)
+    lp, ids = top_lp.tolist(), top_ids.tolist()
+    tokens, parents, depths, scores = [], [], [], []
+    # (-score, tie, parent row, depth, rank, parent score)
+    heap = [(-lp[0][0], 0, 0, 1, 0, 0.0)]
+    tie = 1
+    while heap and len(tokens) < budget:
+        _, _, parent, depth, rank, parent_score = heapq.heappop(heap)
+        score = parent_score + lp[depth - 1][rank]
+        scores.append(score)
+        tokens.append(ids[depth - 1][rank])
+        parents.append(parent)
+        depths.append(depth)
+        row = len(tokens)
+        if rank + 1 < k:
+            sib = parent_score + lp[depth - 1][rank + 1]
+            heapq.heappush(heap, (-sib, tie, parent, depth, rank + 1, parent_score))
+            tie += 1
+        if depth < depth_count:
+            child = score + lp[depth][0]
+            heapq.heappush(heap, (-child, tie, row, depth + 1, 0, score))
+            tie += 1
+    return ranked_by_pop_order(DraftTree.from_lists(tokens, parents, depths, device=logprobs.device), scores)
+
+
+def ranked_by_pop_order(tree: DraftTree, scores: list[float]) -> DraftTree:
+    """A best-first heap pops parents before children and better nodes first: its pop order is a
+    ranking whose every prefix is a valid tree."""
+    tree.log_probs = torch.tensor(scores, dtype=torch.float64, device=tree.tokens.device)
+    tree.rank = torch.arange(len(tree), device=tree.tokens.device)
+    return tree
+
+
+def corrected_chain_logits(draft, head: CorrectionHead) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy chain where every depth is corrected by the path so far (full vocabulary).
+
+    Returns the chain tokens [D] and the corrected logits [D, V] along it.
+    """
+    rnd = head.start_round(draft.hidden, draft.base_logits)
+    state = head.initial_state(draft.bonus)
+    rows, tokens = [], []
+    depth_count = draft.base_logits.shape[0]
+    for slot in range(depth_count):
+        logits = head.logits(rnd, slot, state)[0]
+        token = logits.argmax()
+        rows.append(logits)
+        tokens.append(token)
+        if slot + 1 < depth_count:
+            state = head.advance(state, token[None])
+    return torch.stack(tokens), torch.stack(rows)
+
+
+def select_top_b(prune_scores: torch.Tensor, parents: torch.Tensor, budget: int) -> torch.Tensor:
+    """Deferred global top-B of a supertree (Lemma 1). Returns kept node positions, sorted.
+
+    prune_scores [N] (score + beta*depth) must never increase from parent to child; ties go to the
+    smaller row, so with parents numbered before children the result is ancestor-closed and equals
+    the first B pops of a best-first heap on the supertree.
+    """
+    n = prune_scores.numel()
+    has_parent = parents > 0
+    parent_scores = prune_scores[(parents - 1).clamp(min=0)]
+    if bool((has_parent & (prune_scores > parent_scores)).any()):
+        raise DartreeError("deferred top-B needs scores that never increase from parent to child (beta <= 0)")
+    if n <= budget:
+        return torch.arange(n, device=prune_scores.device)
+    order = torch.sort(prune_scores, descending=True, stable=True).indices
+    return order[:budget].sort().values
+
+
+def candidate_tables(draft, top_k: int) -> torch.Tensor:
+    """C_d: the top-K base tokens of every depth, shared by all branches. [D, K]"""
+    return draft.base_logits.topk(min(top_k, draft.base_logits.shape[-1]), dim=-1).indices

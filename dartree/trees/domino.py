@@ -1,0 +1,17 @@
+"""``domino``: the head-corrected greedy chain."""
+
+from __future__ import annotations
+
+from .base import TreeBuilder, register
+from .common import corrected_chain_logits
+from .tree import DraftTree
+
+
+@register
+class DominoBuilder(TreeBuilder):
+    name = "domino"
+    needs_head = True
+
+    def build(self, draft, head, size):
+        tokens, _ = corrected_chain_logits(draft, head)
+        return DraftTree.chain(tokens)

@@ -1,0 +1,18 @@
+"""``domino-ddtree``: the best-first tree over the corrected chain's marginals."""
+
+from __future__ import annotations
+
+from .base import TreeBuilder, register
+from .common import best_first_marginals, corrected_chain_logits
+
+
+@register
+class DominoDDTreeBuilder(TreeBuilder):
+    name = "domino-ddtree"
+    ranked = True
+    needs_head = True
+    reads = ("budget",)
+
+    def build(self, draft, head, size):
+        _, logits = corrected_chain_logits(draft, head)
+        return best_first_marginals(logits.log_softmax(-1), size)

@@ -1,0 +1,76 @@
+"""The draft tree: node i has row i + 1 in the verification batch, row 0 is the root (the bonus token);
+parents always come before their children."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import DartreeError
+
+
+@dataclass
+class DraftTree:
+    tokens: torch.Tensor  # [N] long
+    parents: torch.Tensor  # [N] long, row index of the parent (0 = root)
+    depths: torch.Tensor  # [N] long, 1..D
+    # Optional, from the builders that rank their nodes (dartree): the drafter's path log-probability
+    # of each node and the nodes best first, such that every prefix of the ranking is a valid tree.
+    log_probs: torch.Tensor | None = None  # [N]
+    rank: torch.Tensor | None = None  # [N] node indices
+
+    def prefix(self, size: int) -> "DraftTree":
+        """The tree of the ``size`` best-ranked nodes (parents always rank before their children)."""
+        if self.rank is None:
+            raise DartreeError("this tree carries no ranking; only ranked trees (dartree) can be cut to a prefix")
+        if size >= len(self):
+            return self
+        keep = self.rank[:size].sort().values
+        cut = subtree(self.tokens, self.parents, self.depths, keep)
+        cut.log_probs = self.log_probs[keep] if self.log_probs is not None else None
+        positions = torch.full((len(self),), -1, dtype=torch.long, device=keep.device)
+        positions[keep] = torch.arange(keep.numel(), device=keep.device)
+        cut.rank = positions[self.rank[:size]]
+        return cut
+
+    def __len__(self) -> int:
+        return self.tokens.numel()
+
+    def paths(self) -> set[tuple[int, ...]]:
+        """Root-to-node token paths: a numbering-free description of the tree."""
+        parents, tokens = self.parents.tolist(), self.tokens.tolist()
+        found: list[tuple[int, ...]] = []
+        for p, t in zip(parents, tokens):
+            found.append((found[p - 1] if p > 0 else ()) + (t,))
+        return set(found)
+
+    def rows(self, root: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens and depths of the verification batch: row 0 is the root (depth 0), row i+1 node i."""
+        device = self.tokens.device
+        tokens = torch.cat([torch.tensor([root], dtype=torch.long, device=device), self.tokens])
+        depths = torch.cat([torch.zeros(1, dtype=torch.long, device=device), self.depths])
+        return tokens, depths
+
+    @classmethod
+    def empty(cls, device="cpu") -> "DraftTree":
+        z = torch.zeros(0, dtype=torch.long, device=device)
+        return cls(z, z.clone(), z.clone())
+
+    @classmethod
+    def chain(cls, tokens: torch.Tensor) -> "DraftTree":
+        n = tokens.numel()
+        ar = torch.arange(n, device=tokens.device)
+        return cls(tokens.long(), ar, ar + 1)
+
+    @classmethod
+    def from_lists(cls, tokens, parents, depths, device="cpu") -> "DraftTree":
+        mk = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+        return cls(mk(tokens), mk(parents), mk(depths))
+
+
+def subtree(tokens, parents, depths, keep: torch.Tensor) -> DraftTree:
+    """Restrict a tree to an ancestor-closed, sorted node set, renumbering parent rows."""
+    row_map = torch.zeros(tokens.numel() + 1, dtype=torch.long, device=tokens.device)
+    row_map[keep + 1] = torch.arange(1, keep.numel() + 1, device=tokens.device)
+    return DraftTree(tokens[keep], row_map[parents[keep]], depths[keep])
