@@ -196,7 +196,7 @@ def choose_batch(items: list[tuple[BudgetPolicy, DraftTree]], fixed_rows: int, b
         counts[i] += 1
     # What drafting was worth to each request, as its speed over plain steps'. Alone, the round's whole
     # time is the request's: tokens / (draft + tree + forward) against a plain step's 1 / t(1). In a
-    # batch, its share of the one drafter call, its tree and its share of the extra rows against the tokens it adds, at the
+    # batch, its shares of the one drafter call, of the trees built together and of the extra rows against the tokens it adds, at the
     # plain batch's rate: a request whose nodes lose the rows (or whose drafter call costs more than its
     # tokens bring) backs off and takes plain steps until its next probe.
     choices = []
@@ -207,7 +207,7 @@ def choose_batch(items: list[tuple[BudgetPolicy, DraftTree]], fixed_rows: int, b
         if len(items) == 1 and fixed_rows == 1:
             worth = mine / cost.round_ms(n) * cost.verify(1)
         else:
-            spent = cost.draft_share(len(items)) + cost.tree_ms + (extra_ms * n / m if m else 0.0)
+            spent = cost.draft_share(len(items)) + cost.tree_share(len(items)) + (extra_ms * n / m if m else 0.0)
             worth = (mine - 1.0) / spent / plain_rate if spent > 0 else 1.0
         choices.append(BudgetChoice(n, mine, float(ms[m]), worth))
     return choices

@@ -7,7 +7,7 @@ machine, kernels):
   tree of n - 1 nodes; n = 1 is a plain decoding step;
 - one drafter call (a round's draft, with a couple of new context rows, as in steady decoding), and
   one call for 4 and for 16 requests at once (``drafter.draft_batch``);
-- the ``dartree`` tree build at the largest budget.
+- the ``dartree`` tree build at the largest budget, alone and for 4 and 16 requests together.
 
 The parts are handed in (the target adapter, the drafter's proposer, the correction head); the
 result is cached as JSON under ``.cache/costmodel/``.
@@ -32,13 +32,13 @@ from .drafter import DraftProposer, draft_batch
 from .engine import Part, Request, run_round
 from .hardware import describe_machine
 from .heads import CorrectionHead
-from .trees import DraftTree, TreeBuilder, TreeSettings, make_builder
+from .trees import DraftTree, TreeBuilder, TreeSettings, build_trees, make_builder
 from .verify import Sampler
 
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
-DRAFT_BATCHES = (4, 16)  # requests in one timed batched drafter call
+DRAFT_BATCHES = (4, 16)  # requests in one timed batched drafter call and in one timed batch of trees
 # Part of a cached model's identity: raised whenever what is timed changes, so that older caches are measured again.
-COST_MODEL_VERSION = 8
+COST_MODEL_VERSION = 9
 
 
 def identity(target, proposer=None) -> dict:
@@ -128,6 +128,7 @@ def measure(target, proposer: DraftProposer | None = None, head: CorrectionHead 
     verify_ms = {n: statistics.median(ts) for n, ts in times.items()}
     draft_ms = tree_ms = 0.0
     draft_batch_ms: dict[int, float] = {}
+    tree_batch_ms: dict[int, float] = {}
     if proposer is not None:
         def draft_call():
             proposer.reset()
@@ -159,9 +160,12 @@ def measure(target, proposer: DraftProposer | None = None, head: CorrectionHead 
             draft = timed[-1][0]
             builder = make_builder("dartree", TreeSettings(budget=max_budget))
             tree_ms = _median_ms(lambda: builder.build_tree(draft, head), repeats)
+            for size in DRAFT_BATCHES:  # the trees of several requests built together
+                tree_batch_ms[size] = _median_ms(lambda: build_trees([builder] * size, [draft] * size, head, [max_budget] * size),
+                                                 repeats)
     target.reset_slot(0)
     target.capture = True
-    return CostModel(identity(target, proposer), context, verify_ms, draft_ms, tree_ms, draft_batch_ms)
+    return CostModel(identity(target, proposer), context, verify_ms, draft_ms, tree_ms, draft_batch_ms, tree_batch_ms)
 
 
 def load_or_measure(target, proposer: DraftProposer | None = None, head: CorrectionHead | None = None, context: int = 256,

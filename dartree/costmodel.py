@@ -27,6 +27,8 @@ class CostModel:
     # requests in one batched drafter call (``drafter.draft_batch``) -> milliseconds of the call;
     # empty: every request pays ``draft_ms``
     draft_batch_ms: dict[int, float] = field(default_factory=dict)
+    # requests whose dartree trees are built together -> milliseconds of the build; empty: ``tree_ms`` each
+    tree_batch_ms: dict[int, float] = field(default_factory=dict)
     created: str = field(default_factory=lambda: time.strftime("%Y-%m-%d %H:%M:%S"))
 
     def verify(self, rows: int) -> float:
@@ -48,19 +50,12 @@ class CostModel:
         return self.verify_ms[hi] + slope * (rows - hi)
 
     def draft_share(self, requests: int) -> float:
-        """A request's share of the round's one drafter call when ``requests`` requests draft in it
-        (linear between measured batch sizes, the last slope beyond the largest)."""
-        table = {1: self.draft_ms, **self.draft_batch_ms}
-        sizes = sorted(table)
-        if requests <= 1 or len(sizes) == 1:
-            return self.draft_ms
-        if requests in table:
-            return table[requests] / requests
-        lo, hi = max([n for n in sizes if n < requests]), min([n for n in sizes if n > requests], default=None)
-        if hi is None:
-            lo, hi = sizes[-2], sizes[-1]
-        slope = (table[hi] - table[lo]) / (hi - lo)
-        return (table[lo] + slope * (requests - lo)) / requests
+        """A request's share of the round's one drafter call when ``requests`` requests draft in it."""
+        return _share(self.draft_ms, self.draft_batch_ms, requests)
+
+    def tree_share(self, requests: int) -> float:
+        """A request's share of building ``requests`` dartree trees together (``trees.build_trees``)."""
+        return _share(self.tree_ms, self.tree_batch_ms, requests)
 
     def round_ms(self, nodes: int) -> float:
         """A speculative round with ``nodes`` tree nodes: draft + tree build + verify over nodes + 1 rows."""
@@ -70,6 +65,7 @@ class CostModel:
         raw = asdict(self)
         raw["verify_ms"] = {str(k): v for k, v in self.verify_ms.items()}
         raw["draft_batch_ms"] = {str(k): v for k, v in self.draft_batch_ms.items()}
+        raw["tree_batch_ms"] = {str(k): v for k, v in self.tree_batch_ms.items()}
         return json.dumps(raw, indent=2)
 
     @classmethod
@@ -77,6 +73,7 @@ class CostModel:
         raw = json.loads(text)
         raw["verify_ms"] = {int(k): float(v) for k, v in raw["verify_ms"].items()}
         raw["draft_batch_ms"] = {int(k): float(v) for k, v in raw.get("draft_batch_ms", {}).items()}
+        raw["tree_batch_ms"] = {int(k): float(v) for k, v in raw.get("tree_batch_ms", {}).items()}
         return cls(**raw)
 
     def table(self) -> str:
@@ -85,7 +82,8 @@ class CostModel:
                  f"{self.identity.get('threads')} threads, context {self.context}",
                  f"drafter call {self.draft_ms:.1f} ms"
                  + "".join(f", {k} requests in one call {v:.1f} ms" for k, v in sorted(self.draft_batch_ms.items()))
-                 + f"; dartree tree build {self.tree_ms:.1f} ms", "",
+                 + f"; dartree tree build {self.tree_ms:.1f} ms"
+                 + "".join(f", {k} trees together {v:.1f} ms" for k, v in sorted(self.tree_batch_ms.items())), "",
                  "| rows in the forward | ms | x one-row step | break-even tau |", "|---:|---:|---:|---:|"]
         for n in sorted(self.verify_ms):
             ms = self.verify_ms[n]
@@ -119,6 +117,23 @@ class CostModel:
         fig.savefig(path, dpi=120)
         plt.close(fig)
         return path
+
+
+def _share(alone_ms: float, batch_ms: dict[int, float], requests: int) -> float:
+    """Per-request milliseconds of one batched call for ``requests`` requests: linear between the
+    measured batch sizes (1 is ``alone_ms``), the last slope beyond the largest."""
+    table = {1: alone_ms, **batch_ms}
+    sizes = sorted(table)
+    if requests <= 1 or len(sizes) == 1:
+        return alone_ms
+    if requests in table:
+        return table[requests] / requests
+    lo = max(n for n in sizes if n < requests)
+    hi = min((n for n in sizes if n > requests), default=None)
+    if hi is None:
+        lo, hi = sizes[-2], sizes[-1]
+    slope = (table[hi] - table[lo]) / (hi - lo)
+    return (table[lo] + slope * (requests - lo)) / requests
 
 
 def default_max_batch(cost: CostModel, limit: int = 16) -> int:

@@ -34,7 +34,7 @@ from .budget import BudgetPolicy, cut_batch
 from .drafter import DraftProposer, draft_batch
 from .heads import CorrectionHead
 from .trees import DraftTree, TreeBuilder, build_trees
-from .verify import Sampler, ancestor_matrix, first_ask, walk
+from .verify import Sampler, ancestor_matrix, first_ask, walk_steps
 
 # A decoding round's stages, timed per request; a prompt chunk's round counts as "prefill".
 ROUND_STAGES = ("draft", "tree", "verify", "commit")
@@ -230,6 +230,17 @@ def _build(group: list[Request], drafts: dict[int, object], head: CorrectionHead
         trees[id(r)] = tree
 
 
+def _step_walk(w: list, choices: list[int] | None, asking: list, finished: list) -> None:
+    """Advance one request's walk (``w[6]``, a ``walk_steps`` generator) with ``choices`` (None: its
+    start): into ``asking`` with the rows it needs next (``w[7]``), or into ``finished`` with its
+    result."""
+    try:
+        w[7] = next(w[6]) if choices is None else w[6].send(choices)
+        asking.append(w)
+    except StopIteration as done:
+        finished.append((w, done.value))
+
+
 @torch.no_grad()
 def run_round(target, requests: list[Request], head: CorrectionHead | None = None, prefill_rows: int | None = None) -> None:
     """One round over ``requests`` (each holding a slot of ``target``): see the module docstring."""
@@ -303,8 +314,11 @@ def run_round(target, requests: list[Request], head: CorrectionHead | None = Non
     logits = target.lm_head(torch.cat(gathered)) if gathered else None
     clock.lap("verify")
 
-    # 4. commit, request by request.
+    # 4. commit: every decoding request walks its tree with its own choices; the walks run together,
+    # so each further ask of the output layer (where the target leaves a likely path) is one product
+    # over the rows all requests need, not one pass over the output weights per request.
     offset = 0
+    walking = []  # (request, tree, hidden, features, start, part, steps, rows asked, positions)
     for (r, tree), part, (hidden, features), rows, start in zip(plans, parts, outputs, asks, starts):
         first_logits = logits[offset:offset + len(rows)] if rows else None
         offset += len(rows)
@@ -324,8 +338,33 @@ def run_round(target, requests: list[Request], head: CorrectionHead | None = Non
             # The choice at a row is the token after it: at the bonus's position + the row's depth + 1.
             after = (r.position + 1 + part.depths).tolist()
             known = dict(zip(rows, r.sampler(first_logits, [after[i] for i in rows]).tolist()))
-            accepted, next_bonus = walk(
-                tree, lambda ask: r.sampler(target.lm_head(hidden[ask]), [after[i] for i in ask]).tolist(), known)
+            walking.append([r, tree, hidden, features, start, part, walk_steps(tree, known), None, after])
+        except Exception as exc:  # noqa: BLE001 - this request ends with its error; the others go on
+            r.error = exc
+            r.finish(FINISH_ERROR)
+    finished_walks = []
+    asking = []
+    for w in walking:
+        _step_walk(w, None, asking, finished_walks)
+    while asking:
+        more = target.lm_head(torch.cat([w[2][w[7]] for w in asking]))
+        at, still = 0, []
+        for w in asking:
+            n = len(w[7])
+            r = w[0]
+            try:
+                choices = r.sampler(more[at:at + n], [w[8][i] for i in w[7]]).tolist()
+            except Exception as exc:  # noqa: BLE001 - this request ends with its error; the others go on
+                r.error = exc
+                r.finish(FINISH_ERROR)
+                choices = None
+            at += n
+            if choices is not None:
+                _step_walk(w, choices, still, finished_walks)
+        asking = still
+    for w, (accepted, next_bonus) in finished_walks:
+        r, tree, hidden, features, start, part = w[:6]
+        try:
             keep = torch.tensor(accepted)
             target.keep(r.slot, start, keep)
             if r.policy is not None:

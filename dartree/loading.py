@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .drafter import CONFIG_NAME, WEIGHTS_NAME, DrafterConfig, DrafterModel
@@ -217,18 +219,33 @@ def _read_config(directory: Path) -> DrafterConfig:
     return DrafterConfig.from_dict(raw)
 
 
-def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+# On disk the correction heads' tensors sit at top level under these names.
+HEAD_TENSOR_PREFIXES = ("prefix_gru", "embed_proj", "markov_w1", "markov_w2")
+# A config.json field of dartree's own: the path (relative to the drafter folder) of a weights file
+# whose backbone tensors this drafter shares, so that drafters with one backbone and different heads
+# (the shipped Domino and Markov ones) keep it once; the folder's own files hold the rest.
+SHARED_BACKBONE_FIELD = "backbone_weights"
 
+
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, RuntimeError) as exc:
+        raise CheckpointError(f"cannot read drafter weights {path}: the file is corrupt or truncated ({exc})") from None
+
+
+def _read_weights(directory: Path, cfg: DrafterConfig) -> dict[str, torch.Tensor]:
     files = sorted(directory.glob("*.safetensors"))
     require(bool(files), f"drafter directory {str(directory)!r} has no .safetensors weights", CheckpointError)
     state: dict[str, torch.Tensor] = {}
+    shared = cfg.extra.get("top", {}).get(SHARED_BACKBONE_FIELD)
+    if shared is not None:
+        path = directory / str(shared)
+        require(path.is_file(), f"{directory / CONFIG_NAME} names {SHARED_BACKBONE_FIELD} {shared!r}, which is not a file "
+                f"(a path relative to {directory})", CheckpointError)
+        state.update({k: v for k, v in _load_safetensors(path).items() if k.split(".")[0] not in HEAD_TENSOR_PREFIXES})
     for f in files:
-        try:
-            state.update(load_file(str(f)))
-        except (SafetensorError, OSError, RuntimeError) as exc:
-            raise CheckpointError(f"cannot read drafter weights {f}: the file is corrupt or truncated ({exc})") from None
+        state.update(_load_safetensors(f))
     return state
 
 
@@ -238,7 +255,7 @@ def _to_module_names(state: dict[str, torch.Tensor], has_head: bool) -> dict[str
     for name, tensor in state.items():
         if name.startswith("model."):  # some exporters nest the backbone
             name = name[len("model.") :]
-        if has_head and name.split(".")[0] in ("prefix_gru", "embed_proj", "markov_w1", "markov_w2"):
+        if has_head and name.split(".")[0] in HEAD_TENSOR_PREFIXES:
             name = "head." + name
         out[name] = tensor
     return out
@@ -247,7 +264,7 @@ def _to_module_names(state: dict[str, torch.Tensor], has_head: bool) -> dict[str
 def load_drafter(directory: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> DrafterModel:
     directory = Path(directory)
     cfg = _read_config(directory)
-    state = _to_module_names(_read_weights(directory), cfg.projector_type is not None)
+    state = _to_module_names(_read_weights(directory, cfg), cfg.projector_type is not None)
     model = DrafterModel(cfg)
     if "mask_embedding" in state:
         model.mask_embedding = nn.Parameter(torch.zeros(cfg.hidden_size))
@@ -280,17 +297,27 @@ def load_drafter(directory: str | Path, dtype: torch.dtype = torch.float32, devi
     return model.eval()
 
 
-def save_drafter(model: DrafterModel, directory: str | Path) -> None:
-    from safetensors.torch import save_file
-
+def save_drafter(model: DrafterModel, directory: str | Path, shared_backbone: str | None = None) -> None:
+    """Write ``model`` in the DFlash on-disk format. ``shared_backbone``: a weights file (a path
+    relative to ``directory``) that already holds this drafter's backbone, bit for bit (checked):
+    only the head's tensors are written, and config.json names the file (``backbone_weights``)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / CONFIG_NAME).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
     state = {}
     for name, tensor in model.state_dict().items():
         if name.startswith("head."):
             name = name[len("head.") :]
         state[name] = tensor.detach().contiguous().cpu()
+    config = model.config.to_dict()
+    config.pop(SHARED_BACKBONE_FIELD, None)
+    if shared_backbone is not None:
+        backbone = _load_safetensors(directory / shared_backbone)
+        for name in [n for n in state if n.split(".")[0] not in HEAD_TENSOR_PREFIXES]:
+            require(name in backbone and torch.equal(backbone[name], state[name]),
+                    f"{directory / shared_backbone} does not hold this drafter's {name}: the backbones differ", CheckpointError)
+            del state[name]
+        config[SHARED_BACKBONE_FIELD] = shared_backbone
+    (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
     save_file(state, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
 
 

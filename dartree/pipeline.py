@@ -47,10 +47,13 @@ def make_target_adapter(model, tapped_layers, lean: bool | str = "auto"):
 
 
 class Pipeline:
-    """A target, an optional drafter (with its correction head) and a tokenizer, ready to generate."""
+    """A target, an optional drafter (with its correction head) and a tokenizer, ready to generate.
+
+    ``target_model`` is the Hugging Face model; ``target`` the adapter every round drives (its lean
+    forward, or the Hugging Face one); ``proposer`` runs the drafter, ``head`` corrects its drafts."""
 
     def __init__(self, target_model, drafter: DrafterModel | None = None, tokenizer=None, lean: bool | str = "auto"):
-        self.model = target_model
+        self.target_model = target_model
         self.drafter = drafter
         self.tokenizer = tokenizer
         if drafter is not None:
@@ -75,7 +78,7 @@ class Pipeline:
             f"this pipeline supports: {', '.join(self.methods)}",
         )
         block = self.drafter.config.block_size if self.drafter is not None else 1
-        check_context_length(self.model.config, ids.numel(), settings.max_new_tokens, block)
+        check_context_length(self.target_model.config, ids.numel(), settings.max_new_tokens, block)
 
     def cost_model(self) -> CostModel:
         """This machine's measured cost model for this pipeline (cached under .cache/costmodel)."""
@@ -131,7 +134,7 @@ class Pipeline:
         if input_ids is not None:
             ids = list(input_ids.flatten().tolist()) if isinstance(input_ids, torch.Tensor) else list(input_ids)
             require(len(ids) > 0, "input_ids is empty; give at least one token")
-            vocab = self.model.get_input_embeddings().num_embeddings
+            vocab = self.target_model.get_input_embeddings().num_embeddings
             require(
                 all(isinstance(t, int) and 0 <= t < vocab for t in ids),
                 f"input_ids must be integers in [0, {vocab}) for this target",
@@ -155,7 +158,7 @@ class Pipeline:
 
     def default_stop_ids(self) -> set[int]:
         stop = set()
-        for source in (getattr(self.model, "generation_config", None), self.model.config, self.tokenizer):
+        for source in (getattr(self.target_model, "generation_config", None), self.target_model.config, self.tokenizer):
             eos = getattr(source, "eos_token_id", None) if source is not None else None
             if eos is None:
                 continue

@@ -66,6 +66,26 @@ def likely_path(tree: DraftTree, row: int, children_of: dict[int, list[int]]) ->
     return path
 
 
+def walk_steps(tree: DraftTree, known: dict[int, int] | None = None):
+    """The walk as a generator: it yields the rows whose choices it needs next and is sent those
+    choices; it returns the accepted rows and the next bonus token (``walk`` drives it with one
+    ``choose``; the round drives every request's walk together, so that each ask of the whole batch
+    is one output-layer product)."""
+    kids = children_of(tree)
+    children = {(p, t): i + 1 for i, (p, t) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist()))}
+    choice: dict[int, int] = dict(known or {})
+    accepted = [0]
+    while True:
+        row = accepted[-1]
+        if row not in choice:
+            rows = likely_path(tree, row, kids)[:OUTPUT_ROWS_PER_ASK]
+            choice.update(zip(rows, (yield rows)))
+        child = children.get((row, choice[row]))
+        if child is None:
+            return accepted, choice[row]
+        accepted.append(child)
+
+
 def walk(tree: DraftTree, choose: Callable[[list[int]], list[int]], known: dict[int, int] | None = None) -> tuple[list[int], int]:
     """The walk: from the root, follow the child carrying the target's choice at each row.
 
@@ -81,19 +101,13 @@ def walk(tree: DraftTree, choose: Callable[[list[int]], list[int]], known: dict[
     first ask would draw, so the walk is the same with or without them).
 
     Returns the accepted rows (root first) and the next bonus token (the choice at the last one)."""
-    kids = children_of(tree)
-    children = {(p, t): i + 1 for i, (p, t) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist()))}
-    choice: dict[int, int] = dict(known or {})
-    accepted = [0]
-    while True:
-        row = accepted[-1]
-        if row not in choice:
-            rows = likely_path(tree, row, kids)[:OUTPUT_ROWS_PER_ASK]
-            choice.update(zip(rows, choose(rows)))
-        child = children.get((row, choice[row]))
-        if child is None:
-            return accepted, choice[row]
-        accepted.append(child)
+    steps = walk_steps(tree, known)
+    try:
+        rows = next(steps)
+        while True:
+            rows = steps.send(choose(rows))
+    except StopIteration as done:
+        return done.value
 
 
 def follow_tree(tree: DraftTree, choices: torch.Tensor) -> tuple[list[int], int]:

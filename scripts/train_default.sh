@@ -22,7 +22,8 @@ DATA=${DATA:-data/smollm2-selfdistill}
     --draft-vocab 8192 --anchors 64 --seqs-per-step 1 --eval-every 200 \
     --resume-from dartree/assets/smollm2-drafter-domino \
     --max-minutes "${DRAFTER_MINUTES:-95}" --export dartree/assets/smollm2-drafter-domino
-# 3. Markov head on the frozen backbone.
+# 3. Markov head on the frozen backbone; the export writes only the head and reads the backbone
+# from the Domino drafter's file (config.json names it: backbone_weights).
 .venv/bin/dartree train markov --data "$DATA" --out runs/markov-v2 --init-drafter runs/drafter-v2/checkpoint \
     --steps "${MARKOV_STEPS:-450}" --lr 3e-3 --anchors 64 --seqs-per-step 1 --eval-every 150 --max-minutes "${MARKOV_MINUTES:-8}" \
-    --export dartree/assets/smollm2-drafter-markov
+    --export dartree/assets/smollm2-drafter-markov --export-backbone ../smollm2-drafter-domino/model.safetensors

@@ -85,11 +85,11 @@ def test_hf_peers_run_on_the_target_as_hugging_face_loads_it(tiny_pipe):
     from dartree.bench.runner import plain_hf_model
 
     plain = plain_hf_model(tiny_pipe)
-    assert plain is not tiny_pipe.model and plain_hf_model(tiny_pipe) is plain
-    assert plain.dtype == tiny_pipe.model.dtype
+    assert plain is not tiny_pipe.target_model and plain_hf_model(tiny_pipe) is plain
+    assert plain.dtype == tiny_pipe.target_model.dtype
     linears = [m for m in plain.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(type(m) is torch.nn.Linear for m in linears)
-    for (name, want), (_, got) in zip(tiny_pipe.model.state_dict().items(), plain.state_dict().items()):
+    for (name, want), (_, got) in zip(tiny_pipe.target_model.state_dict().items(), plain.state_dict().items()):
         assert torch.equal(want, got), name
 
 

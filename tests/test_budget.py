@@ -167,7 +167,7 @@ def test_auto_budget_is_lossless_with_switches_to_plain_steps(pipelines, family,
     pipe._cost_model = synthetic_cost(1.0, per_row)
     pipe._policies.clear()
     got = pipe.generate(input_ids=prompt, method=method, max_new_tokens=24, budget="auto", stop_token_ids=[])
-    assert got.token_ids == hf_greedy(pipe.model, prompt, 24)
+    assert got.token_ids == hf_greedy(pipe.target_model, prompt, 24)
     history = next(iter(pipe._policies.values())).history
     if per_row == 3.0:
         assert min(history) <= 0  # rounds verified the root alone (a plain step), drafted or not
@@ -198,7 +198,7 @@ def test_auto_budget_switches_mid_generation_and_stays_exact(pipelines):
             calls["n"] = 0
             got = pipe.generate(input_ids=prompt, method="dartree", max_new_tokens=30, budget="auto", stop_token_ids=[])
             history = next(iter(pipe._policies.values())).history
-            assert got.token_ids == hf_greedy(pipe.model, prompt, 30)
+            assert got.token_ids == hf_greedy(pipe.target_model, prompt, 30)
             assert max(history[:2]) > 1 and min(history[3:]) <= 0
     finally:
         BudgetPolicy.apply = policy_apply
@@ -292,3 +292,6 @@ def test_a_request_pays_its_share_of_a_batched_drafter_call():
     again = CostModel.from_json(cost.to_json())
     assert again.draft_batch_ms == {4: 8.0, 16: 16.0} and again.draft_share(8) == cost.draft_share(8)
     assert CostModel({"machine": "synthetic"}, 256, {1: 10.0}, draft_ms=4.0).draft_share(8) == 4.0  # no batch times
+    trees = CostModel({"machine": "synthetic"}, 256, {1: 10.0}, tree_ms=3.0, tree_batch_ms={4: 6.0})
+    assert trees.tree_share(1) == 3.0 and trees.tree_share(4) == 1.5
+    assert CostModel.from_json(trees.to_json()).tree_batch_ms == {4: 6.0}

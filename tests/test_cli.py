@@ -15,7 +15,7 @@ def test_generate_json_is_lossless(model_dirs, pipelines, capsys):
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     pipe = pipelines[("llama", "domino")]
-    want = hf_greedy(pipe.model, pipe.encode(prompt="w1 w2 w3").tolist(), 10)
+    want = hf_greedy(pipe.target_model, pipe.encode(prompt="w1 w2 w3").tolist(), 10)
     assert out["token_ids"] == want
     assert set(out["stats"]) >= {"rounds", "acceptance_lengths", "mean_acceptance", "tokens_per_second", "stage_ms"}
 

@@ -19,7 +19,7 @@ def pipe():
 
 
 def test_default_model_loads_offline(pipe):
-    assert pipe.model.config.num_hidden_layers == 30 and pipe.model.config.vocab_size == 49152
+    assert pipe.target_model.config.num_hidden_layers == 30 and pipe.target_model.config.vocab_size == 49152
     assert pipe.drafter is not None and pipe.drafter.config.projector_type == "domino"
     assert set(pipe.methods) == set(dartree.METHODS)
 

@@ -120,7 +120,7 @@ def test_one_batched_draft_call_equals_each_request_drafted_alone(model_dirs, he
     from dartree.drafter import draft_batch
 
     pipe = dartree.load(model_dirs[("llama", "target")], model_dirs[("llama", head)], dtype="float64")
-    width = len(pipe.drafter.config.target_layer_ids) * pipe.model.config.hidden_size
+    width = len(pipe.drafter.config.target_layer_ids) * pipe.target_model.config.hidden_size
     gen = torch.Generator().manual_seed(0)
 
     def proposer():
@@ -148,3 +148,44 @@ def test_one_batched_draft_call_equals_each_request_drafted_alone(model_dirs, he
         assert b.cache.length == a.cache.length == start
         for kb, ka in zip(b.cache.keys + b.cache.values, a.cache.keys + a.cache.values):
             torch.testing.assert_close(kb, ka, rtol=1e-10, atol=1e-10)
+
+
+def test_drafters_with_one_backbone_share_its_file(model_dirs, tmp_path):
+    """A Markov drafter on the Domino drafter's frozen backbone writes only its head, names the
+    shared file in config.json and loads back equal; a backbone that differs is refused."""
+    import shutil
+
+    from safetensors import safe_open
+
+    from dartree.errors import CheckpointError
+
+    domino = load_drafter(model_dirs[("llama", "domino")], dtype=torch.float64)
+    markov = load_drafter(model_dirs[("llama", "markov")], dtype=torch.float64)
+    backbone = {k: v for k, v in domino.state_dict().items() if not k.startswith("head.")}
+    markov.load_state_dict({**markov.state_dict(), **backbone})  # the Markov head on the Domino backbone
+    save_drafter(domino, tmp_path / "domino")
+    save_drafter(markov, tmp_path / "markov", shared_backbone="../domino/model.safetensors")
+    names = set(safe_open(str(tmp_path / "markov" / "model.safetensors"), "pt").keys())
+    assert names == {"markov_w1.weight", "markov_w2.weight"}
+    assert json.loads((tmp_path / "markov" / "config.json").read_text())["backbone_weights"] == "../domino/model.safetensors"
+    again = load_drafter(tmp_path / "markov", dtype=torch.float64)
+    a, b = markov.state_dict(), again.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    other = load_drafter(model_dirs[("qwen3", "domino")], dtype=torch.float64)
+    save_drafter(other, tmp_path / "other")
+    with pytest.raises(CheckpointError, match="backbones differ"):
+        save_drafter(markov, tmp_path / "markov2", shared_backbone="../other/model.safetensors")
+    shutil.rmtree(tmp_path / "domino")
+    with pytest.raises(CheckpointError, match="backbone_weights"):
+        load_drafter(tmp_path / "markov")
+
+
+def test_the_shipped_markov_drafter_reads_the_domino_drafters_backbone():
+    from dartree.default_model import default_drafter_dir
+
+    shipped = default_drafter_dir().parent
+    domino, markov = load_drafter(shipped / "smollm2-drafter-domino"), load_drafter(shipped / "smollm2-drafter-markov")
+    assert markov.config.projector_type == "markov"
+    a, b = domino.state_dict(), markov.state_dict()
+    shared = [k for k in a if not k.startswith("head.")]
+    assert shared and all(torch.equal(a[k], b[k]) for k in shared)

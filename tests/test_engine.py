@@ -156,7 +156,7 @@ def test_a_forward_grows_the_store_for_the_widest_part_beside_a_nearly_full_slot
     from dartree.engine import Part
     from dartree.lean import KVStore
 
-    target = LeanTarget(lean_pipe.model, lean_pipe.target.tapped_layers, weights=lean_pipe.target.weights)
+    target = LeanTarget(lean_pipe.target_model, lean_pipe.target.tapped_layers, weights=lean_pipe.target.weights)
     target.store = KVStore(target.weights, slots=2, capacity=16)
     target.store.lengths = [14, 0]
     chunk = torch.tensor([1, 2, 3, 4, 5, 6, 7, 0])
@@ -164,6 +164,6 @@ def test_a_forward_grows_the_store_for_the_widest_part_beside_a_nearly_full_slot
              Part(1, chunk, torch.arange(8), torch.ones(8, 8, dtype=torch.bool).tril())]
     together = target.forward_parts(parts)
     assert target.store.capacity >= 14 + 8 and target.store.lengths == [15, 8]
-    alone = LeanTarget(lean_pipe.model, lean_pipe.target.tapped_layers, weights=lean_pipe.target.weights)
+    alone = LeanTarget(lean_pipe.target_model, lean_pipe.target.tapped_layers, weights=lean_pipe.target.weights)
     alone.reserve_slots(2)
     assert torch.equal(alone.forward_parts([parts[1]])[0][0], together[1][0])

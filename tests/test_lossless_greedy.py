@@ -16,7 +16,7 @@ HF_CACHE = {}
 def reference(pipe, family, prompt, n):
     key = (family, tuple(prompt), n)
     if key not in HF_CACHE:
-        HF_CACHE[key] = hf_greedy(pipe.model, prompt, n)
+        HF_CACHE[key] = hf_greedy(pipe.target_model, prompt, n)
     return HF_CACHE[key]
 
 
@@ -89,7 +89,7 @@ def test_stop_token_inside_an_accepted_run(pipelines, family, method):
     stop = tokens[mid]
     got = pipe.generate(input_ids=prompt, method=method, max_new_tokens=30, budget=16, stop_token_ids=[stop])
     assert got.token_ids == tokens[: mid + 1]
-    assert got.token_ids == hf_greedy(pipe.model, prompt, 30, eos=stop)
+    assert got.token_ids == hf_greedy(pipe.target_model, prompt, 30, eos=stop)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -104,7 +104,7 @@ def test_max_new_tokens_reached_mid_tree(pipelines, family, method):
             if tau >= 2:
                 limit = pos + 1  # ends inside this round's accepted run
                 got = pipe.generate(input_ids=prompt, method=method, max_new_tokens=limit, budget=16, stop_token_ids=[])
-                assert got.token_ids == full.token_ids[:limit] == hf_greedy(pipe.model, prompt, limit)
+                assert got.token_ids == full.token_ids[:limit] == hf_greedy(pipe.target_model, prompt, limit)
                 assert len(got.token_ids) == limit
                 return
             pos += tau
@@ -116,7 +116,7 @@ def test_max_new_tokens_reached_mid_tree(pipelines, family, method):
 def test_one_token_prompt(pipelines, family, head):
     pipe = pipelines[(family, head)]
     for token in range(VOCAB):
-        want = hf_greedy(pipe.model, [token], 12)
+        want = hf_greedy(pipe.target_model, [token], 12)
         for method in pipe.methods:
             assert pipe.generate(input_ids=[token], method=method, max_new_tokens=12, budget=8,
                                  stop_token_ids=[]).token_ids == want, method
@@ -133,7 +133,7 @@ def test_drafter_with_mask_embedding_and_text_prompt(model_dirs, tmp_path):
     pipe = dartree.load(target, drafter, dtype=torch.float64)
     prompt = "w1 w2 w3"
     ids = pipe.encode(prompt=prompt).tolist()
-    want = hf_greedy(pipe.model, ids, 10)
+    want = hf_greedy(pipe.target_model, ids, 10)
     for method in pipe.methods:
         res = pipe.generate(prompt, method=method, max_new_tokens=10, stop_token_ids=[])
         assert res.token_ids == want

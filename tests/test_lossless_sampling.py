@@ -74,7 +74,7 @@ def empirical(pipe, method, length=3):
 
 @pytest.fixture(scope="module")
 def truth(small_pipes):
-    return exact_joint(small_pipes["domino"].model, PROMPT, 3)
+    return exact_joint(small_pipes["domino"].target_model, PROMPT, 3)
 
 
 from dartree.trees import HEAD_METHODS
@@ -100,14 +100,16 @@ def test_a_draft_trusting_walk_is_caught(small_pipes, truth, monkeypatch):
     """Wrong rule: follow the first child unconditionally. The test must reject it."""
     from dartree import engine
 
-    def trusting_walk(tree, choose, known=None):
+    def trusting_walk(tree, known=None):  # as verify.walk_steps: yields the rows it needs, is sent their choices
         accepted = [0]
         kids = [i + 1 for i, p in enumerate(tree.parents.tolist()) if p == 0]
         if kids:
             accepted.append(kids[0])
-        return accepted, choose([accepted[-1]])[0]
+        known = known or {}
+        last = accepted[-1]
+        return accepted, known[last] if last in known else (yield [last])[0]
 
-    monkeypatch.setattr(engine, "walk", trusting_walk)
+    monkeypatch.setattr(engine, "walk_steps", trusting_walk)
     rejected, stat, crit = chi_square_rejects(empirical(small_pipes["domino"], "dartree"), truth, SAMPLES)
     assert rejected, f"wrong rule not detected: {stat:.1f} <= {crit:.1f}"
 

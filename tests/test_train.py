@@ -137,7 +137,7 @@ def test_training_reduces_loss_resumes_and_exports(tiny_data, tmp_path):
         export(ckpt, tmp_path / f"export-{name}")
         pipe = dartree.load(target_dir, tmp_path / f"export-{name}", dtype=torch.float64)
         assert pipe.drafter.config.projector_type == name
-        want = hf_greedy(pipe.model, [3, 1, 4], 12)
+        want = hf_greedy(pipe.target_model, [3, 1, 4], 12)
         for method in ("dflash", "domino", "dartree"):
             assert pipe.generate(input_ids=[3, 1, 4], method=method, max_new_tokens=12, stop_token_ids=[]).token_ids == want
 
@@ -276,7 +276,7 @@ def test_growing_a_resumed_drafter_keeps_its_outputs_then_trains_the_new_layer(t
     assert len(markov.model.layers) == 2
     markov.run()
     pipe = dartree.load(target_dir, tmp_path / "markov" / "checkpoint", dtype=torch.float64)
-    want = hf_greedy(pipe.model, [3, 1, 4], 10)
+    want = hf_greedy(pipe.target_model, [3, 1, 4], 10)
     assert pipe.generate(input_ids=[3, 1, 4], method="dartree", max_new_tokens=10, stop_token_ids=[]).token_ids == want
 
 

@@ -160,7 +160,7 @@ def plain_hf_model(pipe) -> torch.nn.Module:
     """The pipeline's target as a user would load it without dartree: ``from_pretrained`` with
     Hugging Face's own attention and products (dartree's loading changes both on a CPU), once per
     target, dtype and device. The Hugging Face peers run on it."""
-    model = pipe.model
+    model = pipe.target_model
     key = (str(model.config._name_or_path), str(model.dtype), str(model.device))
     if key not in _PLAIN_MODELS:
         from transformers import AutoModelForCausalLM

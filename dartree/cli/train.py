@@ -95,6 +95,10 @@ def add_drafter_args(steps) -> None:
         p.add_argument("--max-minutes", type=float, default=None, help="stop cleanly after this long; rerun to resume")
         p.add_argument("--device", default="auto", help="auto (default: a GPU when there is one, else the CPU), cpu, cuda or cuda:N")
         p.add_argument("--export", help="after training, write a bf16 copy of the drafter here")
+        if name == "markov":
+            p.add_argument("--export-backbone", help="with --export: a weights file (relative to the export folder) "
+                           "that already holds the frozen backbone, e.g. ../smollm2-drafter-domino/model.safetensors; "
+                           "only the head is written and config.json points there")
         add_threads_arg(p)
         p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                        help="the frozen target's dtype for the teacher-forced forward (auto: bfloat16 where native, else float32)")
@@ -142,6 +146,6 @@ def _run_train(args) -> int:
             prior = reference_token_counts(args.prompts, tokenizer, target.config.vocab_size)
     ckpt = Trainer(target, cfg, args.stage, vocab_prior=prior).run()
     if args.export:
-        export(ckpt, args.export)
+        export(ckpt, args.export, shared_backbone=getattr(args, "export_backbone", None))
         print(f"exported {ckpt} -> {args.export}")
     return 0

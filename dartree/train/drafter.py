@@ -476,12 +476,13 @@ class Trainer:
 TRAINING_RECORD = "training.json"
 
 
-def export(checkpoint: str | Path, dest: str | Path, dtype=torch.bfloat16) -> None:
+def export(checkpoint: str | Path, dest: str | Path, dtype=torch.bfloat16, shared_backbone: str | None = None) -> None:
     """Write a shippable copy of a checkpoint (smaller dtype; loading casts back), with a record of
-    how it was trained (step, settings, data) so that a later session can resume from it."""
+    how it was trained (step, settings, data) so that a later session can resume from it.
+    ``shared_backbone``: as in ``save_drafter`` (a head trained on a frozen, already shipped backbone)."""
     model = load_drafter(checkpoint)
     model.to(dtype)
-    save_drafter(model, dest)
+    save_drafter(model, dest, shared_backbone)
     state_path = Path(checkpoint).parent / "trainer.pt"
     if state_path.is_file():
         state = torch.load(state_path, weights_only=False, map_location="cpu")
