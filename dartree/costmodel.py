@@ -36,18 +36,7 @@ class CostModel:
         last slope beyond the largest (measured sizes are exact, so a staircase stays a staircase)."""
         if rows < 1:
             raise DartreeError(f"a forward has at least one row, got {rows}")
-        sizes = sorted(self.verify_ms)
-        if rows in self.verify_ms:
-            return self.verify_ms[rows]
-        if rows < sizes[0]:
-            return self.verify_ms[sizes[0]]
-        for lo, hi in zip(sizes, sizes[1:]):
-            if lo < rows < hi:
-                a, b = self.verify_ms[lo], self.verify_ms[hi]
-                return a + (b - a) * (rows - lo) / (hi - lo)
-        lo, hi = sizes[-2], sizes[-1]
-        slope = (self.verify_ms[hi] - self.verify_ms[lo]) / (hi - lo)
-        return self.verify_ms[hi] + slope * (rows - hi)
+        return _piecewise(self.verify_ms, rows)
 
     def draft_share(self, requests: int) -> float:
         """A request's share of the round's one drafter call when ``requests`` requests draft in it."""
@@ -119,21 +108,28 @@ class CostModel:
         return path
 
 
-def _share(alone_ms: float, batch_ms: dict[int, float], requests: int) -> float:
-    """Per-request milliseconds of one batched call for ``requests`` requests: linear between the
-    measured batch sizes (1 is ``alone_ms``), the last slope beyond the largest."""
-    table = {1: alone_ms, **batch_ms}
+def _piecewise(table: dict[int, float], x: int) -> float:
+    """``table`` at ``x``: exact at measured sizes, linear between them, the smallest's value below
+    the smallest and the last slope beyond the largest."""
     sizes = sorted(table)
-    if requests <= 1 or len(sizes) == 1:
+    if x in table:
+        return table[x]
+    if x < sizes[0] or len(sizes) == 1:
+        return table[sizes[0]] if x < sizes[0] else table[sizes[-1]]
+    for lo, hi in zip(sizes, sizes[1:]):
+        if lo < x < hi:
+            return table[lo] + (table[hi] - table[lo]) * (x - lo) / (hi - lo)
+    lo, hi = sizes[-2], sizes[-1]
+    return table[hi] + (table[hi] - table[lo]) / (hi - lo) * (x - hi)
+
+
+def _share(alone_ms: float, batch_ms: dict[int, float], requests: int) -> float:
+    """Per-request milliseconds of one batched call for ``requests`` requests (the call's time
+    interpolated over the measured batch sizes, 1 being ``alone_ms``); without batch times every
+    request pays ``alone_ms``."""
+    if requests <= 1 or not batch_ms:
         return alone_ms
-    if requests in table:
-        return table[requests] / requests
-    lo = max(n for n in sizes if n < requests)
-    hi = min((n for n in sizes if n > requests), default=None)
-    if hi is None:
-        lo, hi = sizes[-2], sizes[-1]
-    slope = (table[hi] - table[lo]) / (hi - lo)
-    return (table[lo] + slope * (requests - lo)) / requests
+    return _piecewise({1: alone_ms, **batch_ms}, requests) / requests
 
 
 def default_max_batch(cost: CostModel, limit: int = 16) -> int:

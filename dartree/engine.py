@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 
 import torch
@@ -187,58 +187,44 @@ class _StageClock:
         self.mark = now
 
 
-def _draft(group: list[Request], drafts: dict[int, object]) -> None:
-    """One drafter call for ``group``; when it fails, each request again alone, so that only the
-    request whose call fails ends (with its error) and the others go on."""
+def _together(group: list[Request], work: Callable[[list[Request]], None]) -> None:
+    """``work(group)`` for the requests together (one drafter call, one batch of trees); when it
+    fails, each request again alone, so that only the request whose work fails ends (with its
+    error) and the others go on."""
     try:
-        outputs = draft_batch([r.proposer for r in group], [r.bonus for r in group],
-                              [torch.cat(r.pending) if len(r.pending) > 1 else r.pending[0] for r in group],
-                              [r.position for r in group])
+        work(group)
     except Exception as exc:  # noqa: BLE001 - see the docstring
         if len(group) > 1:
             for r in group:
-                _draft([r], drafts)
+                _together([r], work)
         else:
             group[0].error = exc
             group[0].finish(FINISH_ERROR)
-        return
-    for r, draft in zip(group, outputs):
-        r.pending = []
-        drafts[id(r)] = draft
-        if not r.drafted:  # the first draft call also prefills the drafter: not decode time
-            r.drafted, r.decode_start = True, time.perf_counter()
 
 
-def _build(group: list[Request], drafts: dict[int, object], head: CorrectionHead | None, trees: dict[int, DraftTree]) -> None:
-    """The trees of ``group`` (requests of one method and settings built together,
-    ``trees.build_trees``); when that fails, each request again alone, so that only the request
-    whose build fails ends (with its error) and the others go on."""
-    if not group:
-        return
-    try:
-        sizes = [r.policy.build_size(r.builder.settings.build_size) if r.policy is not None else None for r in group]
-        built = build_trees([r.builder for r in group], [drafts.get(id(r)) for r in group], head, sizes)
-    except Exception as exc:  # noqa: BLE001 - see the docstring
-        if len(group) > 1:
-            for r in group:
-                _build([r], drafts, head, trees)
-        else:
-            group[0].error = exc
-            group[0].finish(FINISH_ERROR)
-        return
-    for r, tree in zip(group, built):
-        trees[id(r)] = tree
+@dataclass
+class _Walk:
+    """One request's walk in the round's commit (``verify.walk_steps``) and what its commit needs."""
 
+    request: Request
+    tree: DraftTree
+    part: Part
+    hidden: torch.Tensor
+    features: torch.Tensor | None
+    start: int  # the slot's committed length before the round
+    after: list[int]  # each row's choice is of the token at this position
+    steps: Generator
+    asked: list[int] = field(default_factory=list)  # the rows whose choices it waits for
+    result: tuple[list[int], int] | None = None  # accepted rows, next bonus
 
-def _step_walk(w: list, choices: list[int] | None, asking: list, finished: list) -> None:
-    """Advance one request's walk (``w[6]``, a ``walk_steps`` generator) with ``choices`` (None: its
-    start): into ``asking`` with the rows it needs next (``w[7]``), or into ``finished`` with its
-    result."""
-    try:
-        w[7] = next(w[6]) if choices is None else w[6].send(choices)
-        asking.append(w)
-    except StopIteration as done:
-        finished.append((w, done.value))
+    def advance(self, choices: list[int] | None) -> bool:
+        """Send ``choices`` (None: start); True while it asks for more (``asked``)."""
+        try:
+            self.asked = next(self.steps) if choices is None else self.steps.send(choices)
+            return True
+        except StopIteration as done:
+            self.result = done.value
+            return False
 
 
 @torch.no_grad()
@@ -253,16 +239,34 @@ def run_round(target, requests: list[Request], head: CorrectionHead | None = Non
     # also takes in its whole prompt, runs alone rather than pad the others to its length).
     speculating = [r for r in decoding if r.uses_drafter and (r.policy is None or r.policy.speculate())]
     drafts: dict[int, object] = {}
+
+    def draft(group: list[Request]) -> None:
+        outputs = draft_batch([r.proposer for r in group], [r.bonus for r in group],
+                              [torch.cat(r.pending) if len(r.pending) > 1 else r.pending[0] for r in group],
+                              [r.position for r in group])
+        for r, out in zip(group, outputs):
+            r.pending = []
+            drafts[id(r)] = out
+            if not r.drafted:  # the first draft call also prefills the drafter: not decode time
+                r.drafted, r.decode_start = True, time.perf_counter()
+
     for group in [[r] for r in speculating if not r.drafted] + [[r for r in speculating if r.drafted]]:
         if group:
-            _draft(group, drafts)
+            _together(group, draft)
     clock.lap("draft")
     # 2. each decoding request's method builds its tree (``ar``'s is empty; a drafting method's needs
     # this round's draft: without one, after a back-off or a failed call, the round is a plain step),
-    # then one cut across the batch.
-    building = [r for r in decoding if not r.finished and (not r.uses_drafter or id(r) in drafts)]
+    # requests of one method and settings together (``trees.build_trees``), then one cut across the batch.
     trees: dict[int, DraftTree] = {}
-    _build(building, drafts, head, trees)
+
+    def build(group: list[Request]) -> None:
+        sizes = [r.policy.build_size(r.builder.settings.build_size) if r.policy is not None else None for r in group]
+        built = build_trees([r.builder for r in group], [drafts.get(id(r)) for r in group], head, sizes)
+        trees.update((id(r), tree) for r, tree in zip(group, built))
+
+    building = [r for r in decoding if not r.finished and (not r.uses_drafter or id(r) in drafts)]
+    if building:
+        _together(building, build)
     clock.lap("tree")
     requests = [r for r in requests if not r.finished]
     decoding = [r for r in decoding if not r.finished]
@@ -318,7 +322,7 @@ def run_round(target, requests: list[Request], head: CorrectionHead | None = Non
     # so each further ask of the output layer (where the target leaves a likely path) is one product
     # over the rows all requests need, not one pass over the output weights per request.
     offset = 0
-    walking = []  # (request, tree, hidden, features, start, part, steps, rows asked, positions)
+    walks: list[_Walk] = []
     for (r, tree), part, (hidden, features), rows, start in zip(plans, parts, outputs, asks, starts):
         first_logits = logits[offset:offset + len(rows)] if rows else None
         offset += len(rows)
@@ -338,43 +342,41 @@ def run_round(target, requests: list[Request], head: CorrectionHead | None = Non
             # The choice at a row is the token after it: at the bonus's position + the row's depth + 1.
             after = (r.position + 1 + part.depths).tolist()
             known = dict(zip(rows, r.sampler(first_logits, [after[i] for i in rows]).tolist()))
-            walking.append([r, tree, hidden, features, start, part, walk_steps(tree, known), None, after])
+            walks.append(_Walk(r, tree, part, hidden, features, start, after, walk_steps(tree, known)))
         except Exception as exc:  # noqa: BLE001 - this request ends with its error; the others go on
             r.error = exc
             r.finish(FINISH_ERROR)
-    finished_walks = []
-    asking = []
-    for w in walking:
-        _step_walk(w, None, asking, finished_walks)
+    asking = [w for w in walks if w.advance(None)]
     while asking:
-        more = target.lm_head(torch.cat([w[2][w[7]] for w in asking]))
+        more = target.lm_head(torch.cat([w.hidden[w.asked] for w in asking]))
         at, still = 0, []
         for w in asking:
-            n = len(w[7])
-            r = w[0]
+            rows, at = more[at:at + len(w.asked)], at + len(w.asked)
             try:
-                choices = r.sampler(more[at:at + n], [w[8][i] for i in w[7]]).tolist()
+                choices = w.request.sampler(rows, [w.after[i] for i in w.asked]).tolist()
             except Exception as exc:  # noqa: BLE001 - this request ends with its error; the others go on
-                r.error = exc
-                r.finish(FINISH_ERROR)
-                choices = None
-            at += n
-            if choices is not None:
-                _step_walk(w, choices, still, finished_walks)
+                w.request.error = exc
+                w.request.finish(FINISH_ERROR)
+                continue
+            if w.advance(choices):
+                still.append(w)
         asking = still
-    for w, (accepted, next_bonus) in finished_walks:
-        r, tree, hidden, features, start, part = w[:6]
+    for w in walks:
+        r = w.request
+        if w.result is None:  # its walk failed
+            continue
+        accepted, next_bonus = w.result
         try:
             keep = torch.tensor(accepted)
-            target.keep(r.slot, start, keep)
+            target.keep(r.slot, w.start, keep)
             if r.policy is not None:
-                r.policy.observe(tree, accepted)
-            if features is not None:  # rows the drafter has not seen yet (plain steps add up)
-                r.pending.append(features.index_select(0, keep.to(features.device)))
+                r.policy.observe(w.tree, accepted)
+            if w.features is not None:  # rows the drafter has not seen yet (plain steps add up)
+                r.pending.append(w.features.index_select(0, keep.to(w.features.device)))
             r.stats.acceptance_lengths.append(len(accepted))
-            r.stats.tree_sizes.append(len(tree))
+            r.stats.tree_sizes.append(len(w.tree))
             r.bonus = next_bonus
-            r.emit(part.tokens[keep[1:]].tolist() + [next_bonus])
+            r.emit(w.part.tokens[keep[1:]].tolist() + [next_bonus])
         except Exception as exc:  # noqa: BLE001 - this request ends with its error; the others go on
             r.error = exc
             r.finish(FINISH_ERROR)
