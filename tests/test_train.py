@@ -337,3 +337,37 @@ def test_training_picks_up_shards_written_while_it_runs(tiny_data, tmp_path):
     assert [s.tokens.tolist() for s in trainer.train_seqs[len(before):]] == [s.tokens.tolist() for s in extra]
     assert all(s.tokens is t for s, t in zip(trainer.heldout, held)) and 5 in trainer._feature_cache
     assert trainer.add_new_shards() == 0
+
+
+def test_engine_data_answers_each_prompt_as_the_target_alone(model_dirs):
+    """``engine_responses``: three shards' prompts through the batched engine with fewer slots than
+    prompts, so requests of the next shard join while the last answers of one are written. Every
+    greedy answer equals HF greedy decoding of that prompt alone, every sampled answer the same
+    request (seed) generated alone, and each shard comes back whole, in prompt order."""
+    from dartree.engine import run_alone
+    from dartree.lean import LeanTarget
+    from dartree.settings import GenerationSettings
+    from dartree.train.data import ShardJob, TrainingPrompt, engine_responses
+
+    pipe = dartree.load(model_dirs[("llama", "target")], None, dtype=torch.float32)
+    assert isinstance(pipe.target, LeanTarget)
+    rng = random.Random(3)
+    jobs = []
+    for k, temperature in enumerate([0.0, 1.0, 0.0]):
+        encoded = [[rng.randrange(8) for _ in range(rng.randint(1, 9))] for _ in range(5)]
+        jobs.append(ShardJob(k, [TrainingPrompt("", "s", "c")] * 5, encoded, temperature, 100 + k))
+    stop = {3}
+    answered = list(engine_responses(pipe, jobs, 12, stop, slots=3))
+    assert sorted(job.k for job, _ in answered) == [0, 1, 2]
+    ended_early = 0
+    for job, seqs in answered:
+        for i, (ids, s) in enumerate(zip(job.encoded, seqs)):
+            assert s.prompt_len == len(ids) and s.tokens[: len(ids)].tolist() == ids
+            answer = s.tokens[len(ids):].tolist()
+            if job.temperature == 0:
+                assert answer == hf_greedy(pipe.target_model, ids, 12, eos=3)
+            settings = GenerationSettings(method="ar", max_new_tokens=12, temperature=job.temperature, seed=job.seed * 4096 + i)
+            alone = run_alone(pipe.target, pipe.request(torch.tensor(ids), settings, stop_token_ids=[3]))
+            assert answer == alone.output
+            ended_early += len(answer) < 12
+    assert ended_early >= 2  # some answers ended at the stop token, so slots freed at different rounds

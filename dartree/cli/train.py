@@ -6,10 +6,12 @@ from pathlib import Path
 
 import torch
 
+from .. import lean
 from ..default_model import default_target_dir
 from ..errors import DartreeError
 from ..hardware import inexact_work_dtype, set_threads
 from ..loading import load_target, load_tokenizer, resolve_device
+from ..pipeline import Pipeline
 from ..train.data import generate_data, reference_token_counts
 from ..train.drafter import TrainConfig, Trainer, export
 from .args import add_threads_arg
@@ -38,7 +40,13 @@ def add_train_parser(sub) -> None:
     data.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                       help="the target's dtype while generating; auto: bfloat16 where the CPU has native bf16 "
                            "matrix instructions (avx512_bf16 / amx_bf16) or on a GPU, else float32 (measured ~1.8x faster on an AVX-512-BF16 EPYC)")
-    data.add_argument("--batch-size", type=int, default=48)
+    data.add_argument("--generator", default="auto", choices=("auto", "engine", "batch"),
+                      help="engine: the batched engine on the lean forward (float32, requests join as others end, "
+                           "every answer the one the target writes alone); batch: one left-padded Hugging Face batch per "
+                           "shard (--dtype applies; for GPUs or models the lean forward lacks); auto (default): engine on a "
+                           "CPU where the lean forward runs the target, else batch")
+    data.add_argument("--slots", type=int, default=64, help="requests per engine round (--generator engine; default 64)")
+    data.add_argument("--batch-size", type=int, default=48, help="prompts per shard (and per batch with --generator batch)")
     data.add_argument("--max-new-tokens", type=int, default=256)
     data.add_argument("--sample-fraction", type=float, default=0.25, help="share of shards sampled at T=1 (rest greedy)")
     data.add_argument("--max-minutes", type=float, default=None, help="stop cleanly after this long (resume later)")
@@ -58,12 +66,23 @@ def _run_data(args) -> int:
     target = Path(args.target) if args.target else default_target_dir()
     set_threads(args.threads)
     device = resolve_device(args.device)
-    dtype = inexact_work_dtype(args.dtype, device)
+    if args.slots < 1:
+        raise DartreeError(f"--slots must be >= 1, got {args.slots}")
+    use_engine = args.generator == "engine" or (args.generator == "auto" and device.type == "cpu" and args.dtype in ("auto", "float32"))
+    dtype = torch.float32 if use_engine else inexact_work_dtype(args.dtype, device)
     model = load_target(target, dtype, device)
     tokenizer = load_tokenizer(target)
-    generate_data(model, tokenizer, args.prompts, args.out, args.num_prompts, args.batch_size,
+    if use_engine:
+        reason = lean.unsupported_reason(model)
+        if reason is not None and args.generator == "engine":
+            raise DartreeError(f"--generator engine needs the lean forward: {reason}")
+        use_engine = reason is None
+        if not use_engine:  # auto: the batch generator at its own dtype
+            model = load_target(target, inexact_work_dtype(args.dtype, device), device)
+    generator = Pipeline(model, None, tokenizer, lean=True) if use_engine else model
+    generate_data(generator, tokenizer, args.prompts, args.out, args.num_prompts, args.batch_size,
                   args.max_new_tokens, args.sample_fraction, args.seed, args.max_minutes,
-                  args.start_shard, args.prompt_set)
+                  args.start_shard, args.prompt_set, slots=args.slots)
     return 0
 
 

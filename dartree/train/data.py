@@ -20,6 +20,7 @@ import json
 import os
 import random
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +29,9 @@ from tqdm import tqdm
 
 from ..errors import DartreeError
 from ..loading import LayerTap, kv_cache_dtype
+from ..pipeline import Pipeline
 from ..prompts import chat_token_ids, code_prompt, instruction_prompt, math_prompt
+from ..settings import GenerationSettings
 from ..target import all_growing, growing_cache
 
 MBPP_TRAIN_IDS = set(range(511, 975)) | set(range(1, 11))  # 11..510 is MBPP's test split
@@ -305,11 +308,74 @@ def load_shards(files: list[Path], min_response: int = 2) -> list[Sequence]:
     return [s for f in files for s in load_shard(f) if s.tokens.numel() - s.prompt_len >= min_response]
 
 
-def generate_data(model, tokenizer, prompts_dir, out_dir, num_prompts: int | None = None, batch_size: int = 48,
+@dataclass
+class ShardJob:
+    """The prompts of one shard and how to answer them."""
+
+    k: int
+    prompts: list[TrainingPrompt]
+    encoded: list[list[int]]
+    temperature: float
+    seed: int
+
+
+def batch_responses(model, jobs: Iterable[ShardJob], max_new_tokens: int, stop_ids: set[int], pad_id: int):
+    """Each job answered as one left-padded batch of the Hugging Face ``model`` (``generate_batch``;
+    sampled with one generator per shard): yields (job, sequences in prompt order)."""
+    for job in jobs:
+        order = sorted(range(len(job.encoded)), key=lambda i: len(job.encoded[i]))
+        gen = torch.Generator().manual_seed(job.seed)
+        seqs = generate_batch(model, [job.encoded[i] for i in order], max_new_tokens, job.temperature, stop_ids, pad_id, gen)
+        by_prompt = [None] * len(order)
+        for s, i in zip(seqs, order):
+            by_prompt[i] = s
+        yield job, by_prompt
+
+
+def engine_responses(pipe: Pipeline, jobs: Iterable[ShardJob], max_new_tokens: int, stop_ids: set[int], slots: int):
+    """Every job's prompts as ``ar`` requests of the batched engine (``pipe``'s lean forward, up to
+    ``slots`` requests per round, each sampled from its own seed): the next job's requests queue
+    while the current one's last answers finish, so the batch stays full across shards. Yields
+    (job, sequences in prompt order) as each job's last request ends; the text of every answer is
+    the one the target writes for that prompt alone (the engine's rows do not depend on each other)."""
+    engine = pipe.engine(slots)
+    jobs = iter(jobs)
+    in_flight: dict[int, tuple[ShardJob, list]] = {}
+    more = True
+    while True:
+        while more and len(engine.waiting) < engine.max_batch:  # keep a full batch of work waiting
+            job = next(jobs, None)
+            if job is None:
+                more = False
+                break
+            requests = []
+            for i, ids in enumerate(job.encoded):
+                settings = GenerationSettings(method="ar", max_new_tokens=max_new_tokens, temperature=job.temperature,
+                                              seed=job.seed * 4096 + i).validate()
+                prompt = torch.tensor(ids)
+                pipe.check_request(prompt, settings)
+                requests.append(pipe.request(prompt, settings, stop_token_ids=sorted(stop_ids), alone=False))
+                engine.submit(requests[-1])
+            in_flight[job.k] = (job, requests)
+        if not engine.busy:
+            return
+        engine.step()
+        for k in [k for k, (_, rs) in in_flight.items() if all(r.finished for r in rs)]:
+            job, requests = in_flight.pop(k)
+            for r in requests:
+                if r.error is not None:
+                    raise r.error
+            yield job, [Sequence(torch.tensor(ids + r.output, dtype=torch.int32), len(ids))
+                        for ids, r in zip(job.encoded, requests)]
+
+
+def generate_data(target, tokenizer, prompts_dir, out_dir, num_prompts: int | None = None, batch_size: int = 48,
                   max_new_tokens: int = 256, sample_fraction: float = 0.25, seed: int = 0, max_minutes: float | None = None,
-                  start_shard: int = 0, prompt_set_name: str = "original") -> None:
+                  start_shard: int = 0, prompt_set_name: str = "original", slots: int = 64) -> None:
     """Write shards of target-written responses until ``num_prompts`` (default: all) are covered (resumable).
 
+    ``target``: a ``Pipeline`` on the lean forward (answers from the batched engine, ``slots``
+    requests per round) or a Hugging Face model (one left-padded batch per shard, e.g. on a GPU).
     Missing shards are written in order from ``start_shard`` (wrapping around), and a shard another
     process wrote meanwhile is skipped, so two processes started at different shards share the work."""
     out_dir = Path(out_dir)
@@ -319,33 +385,44 @@ def generate_data(model, tokenizer, prompts_dir, out_dir, num_prompts: int | Non
         prompts = prompts[:num_prompts]
     shards = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
     stop = {tokenizer.eos_token_id}
-    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    on_engine = isinstance(target, Pipeline)
+    dtype = str((target.target.dtype if on_engine else next(target.parameters()).dtype)).removeprefix("torch.")
     t0 = time.perf_counter()
     if not 0 <= start_shard < len(shards):
         raise DartreeError(f"--start-shard must be between 0 and {len(shards) - 1} (this prompt set makes {len(shards)} shards), got {start_shard}")
     order = list(range(start_shard, len(shards))) + list(range(start_shard))
     todo = [k for k in order if not shard_path(out_dir, k).exists()]
-    bar = tqdm(todo, desc=f"generating responses ({len(shards) - len(todo)} of {len(shards)} shards present)", unit="shard")
+    bar = tqdm(total=len(todo), desc=f"generating responses ({len(shards) - len(todo)} of {len(shards)} shards present)", unit="shard")
+    started: dict[int, float] = {}
+
+    def jobs():
+        for k in todo:
+            if max_minutes is not None and time.perf_counter() - t0 > 60 * max_minutes:
+                bar.write(f"stopping after {max_minutes} minutes (shards under way are finished first); run again to resume at shard {k}")
+                return
+            if shard_path(out_dir, k).exists():  # written by another process meanwhile
+                bar.update()
+                continue
+            temperature = 1.0 if random.Random(seed * 100_003 + k).random() < sample_fraction else 0.0
+            started[k] = time.perf_counter()
+            # encoded shard by shard: the expanded set's 70k chat templates would take minutes up front
+            encoded = [chat_token_ids(tokenizer, [{"role": "user", "content": p.text}])[-512:] for p in shards[k]]  # keep prompts short enough for a CPU
+            yield ShardJob(k, shards[k], encoded, temperature, seed * 1_000_003 + k)
+
+    if on_engine:
+        answered = engine_responses(target, jobs(), max_new_tokens, stop, slots)
+    else:
+        answered = batch_responses(target, jobs(), max_new_tokens, stop, tokenizer.eos_token_id)
     new_total = 0
-    for k in bar:
-        if max_minutes is not None and time.perf_counter() - t0 > 60 * max_minutes:
-            bar.write(f"stopping after {max_minutes} minutes; run again to resume at shard {k}")
-            break
-        if shard_path(out_dir, k).exists():  # written by another process meanwhile
-            continue
-        temperature = 1.0 if random.Random(seed * 100_003 + k).random() < sample_fraction else 0.0
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + k)
-        # encoded shard by shard: the expanded set's 70k chat templates would take minutes up front
-        encoded = [chat_token_ids(tokenizer, [{"role": "user", "content": p.text}])[-512:] for p in shards[k]]  # keep prompts short enough for a CPU
-        order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
-        ts = time.perf_counter()
-        seqs = generate_batch(model, [encoded[i] for i in order], max_new_tokens, temperature, stop, tokenizer.eos_token_id, gen)
-        for s, i in zip(seqs, order):
-            s.source = f"{shards[k][i].source}/{shards[k][i].category}"
+    for job, seqs in answered:
+        for s, p in zip(seqs, job.prompts):
+            s.source = f"{p.source}/{p.category}"
         new = sum(s.tokens.numel() - s.prompt_len for s in seqs)
         new_total += new
-        save_shard(shard_path(out_dir, k), seqs,
-                   {"temperature": temperature, "shard": k, "dtype": dtype, "max_new_tokens": max_new_tokens,
-                    "seconds": round(time.perf_counter() - ts, 1), "new_tokens": new})
-        bar.set_postfix(tok_s=f"{new / (time.perf_counter() - ts):.0f}", T=temperature,
-                        mean_tok_s=f"{new_total / (time.perf_counter() - t0):.0f}")
+        seconds = time.perf_counter() - started[job.k]  # on the engine, shards overlap: this is the shard's span
+        save_shard(shard_path(out_dir, job.k), seqs,
+                   {"temperature": job.temperature, "shard": job.k, "dtype": dtype, "max_new_tokens": max_new_tokens,
+                    "generator": "engine" if on_engine else "batch", "seconds": round(seconds, 1), "new_tokens": new})
+        bar.update()
+        bar.set_postfix(T=job.temperature, mean_tok_s=f"{new_total / (time.perf_counter() - t0):.0f}")
+    bar.close()
