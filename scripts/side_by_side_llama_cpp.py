@@ -1,7 +1,7 @@
 """dartree (lean and Hugging Face forwards) against llama.cpp on the same weights, side by side in one run.
 
     bash scripts/build_llama_cpp.sh     # once per machine (~8 minutes on 2 cores)
-    .venv/bin/python scripts/side_by_side_llama_cpp.py --threads 2 --per-dataset 3 --max-new-tokens 128 \
+    .venv/bin/python scripts/side_by_side_llama_cpp.py --threads 2 --per-dataset 3 --max-new-tokens 128 --hf-methods ar \
         --out docs/results/lean-forward/side-by-side-2threads
 
 Each prompt (the first turn of ``--per-dataset`` seeded samples of each of the seven benchmarks) is
@@ -68,7 +68,7 @@ def main() -> None:
     ap.add_argument("--per-dataset", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--methods", default="ar,dartree,ddtree", help="dartree methods (budget auto where ranked)")
-    ap.add_argument("--hf", action="store_true", help="also run each method on the Hugging Face forward")
+    ap.add_argument("--hf-methods", default="ar", help="methods also run on the Hugging Face forward (comma-separated; '' for none)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -84,12 +84,11 @@ def main() -> None:
     prompts = [(ds, s.turns[0]) for ds in DATASETS for s in select(load_samples(ds), args.per_dataset)]
     index = {p: i for i, (_, p) in enumerate(prompts)}  # the exactness check's key (prompts share long prefixes)
     lean = dartree.load(threads=args.threads, lean=True)
-    pipes = {"lean": lean}
-    if args.hf:  # the same model and drafter on the Hugging Face forward (its own cost model)
-        pipes["hf"] = Pipeline(lean.model, lean.drafter, lean.tokenizer, lean=False)
+    runs = {"lean": (lean, args.methods.split(","))}
+    if args.hf_methods:  # the same model and drafter on the Hugging Face forward (its own cost model)
+        runs["hf"] = (Pipeline(lean.target_model, lean.drafter, lean.tokenizer, lean=False), args.hf_methods.split(","))
     records = []
-    methods = args.methods.split(",")
-    for name, pipe in pipes.items():
+    for name, (pipe, methods) in runs.items():
         pipe.generate("warm up", method="dartree", max_new_tokens=8)
         for ds, prompt in prompts:
             for method in methods:
