@@ -395,18 +395,7 @@ class DraftProposer:
     @torch.no_grad()
     def draft(self, bonus: int, new_features: torch.Tensor, start: int) -> DraftOutput:
         """new_features: tapped target states [C, m*H] of positions cache_len..start-1."""
-        cfg = self.model.config
-        device = new_features.device
-        cached = self.cache.length
-        require(cached + new_features.shape[0] == start, "drafter context out of step with the target")
-        embeds = self.model.block_embeddings(self.embed_tokens, torch.tensor([bonus], device=device))
-        ctx_pos = torch.arange(cached, start, device=device)
-        block_pos = torch.arange(start, start + cfg.block_size, device=device)
-        hidden = self.model(embeds, new_features[None], ctx_pos, block_pos, cache=self.cache)[0]
-        self.cache.crop(start)  # keep the context K/V, drop the block's
-        if not cfg.shift_label:
-            hidden = hidden[1:]  # slot 0 only restates the bonus token
-        return DraftOutput(bonus=bonus, hidden=hidden, base_logits=self.lm_head(hidden), d2t=self.model.d2t)
+        return draft_batch([self], [bonus], [new_features], [start])[0]
 
 
 @torch.no_grad()
@@ -415,9 +404,8 @@ def draft_batch(proposers: list[DraftProposer], bonuses: list[int], features: li
     """One drafter call for many requests (the round's speculating requests), each with its own
     drafter cache: the blocks run as one batch whose new context rows and cached keys are padded to
     the longest, with a mask that shows each block only its own request's keys. The weights, the
-    drafter's output layer included, are read once for the whole batch. One request is ``draft``."""
-    if len(proposers) == 1:
-        return [proposers[0].draft(bonuses[0], features[0], starts[0])]
+    drafter's output layer included, are read once for the whole batch; one request runs on its own
+    cache as it is (``DraftProposer.draft``)."""
     first = proposers[0]
     model, cfg = first.model, first.model.config
     require(all(p.model is model and p.embed_tokens is first.embed_tokens for p in proposers),
@@ -426,35 +414,42 @@ def draft_batch(proposers: list[DraftProposer], bonuses: list[int], features: li
     cached = [p.cache.length for p in proposers]
     new = [f.shape[0] for f in features]
     require(all(c + n == s for c, n, s in zip(cached, new, starts)), "drafter context out of step with the target")
-    longest_cache, longest_new = max(cached), max(new)
-    feats = features[0].new_zeros(b, longest_new, features[0].shape[-1])
-    for i, f in enumerate(features):
-        feats[i, : f.shape[0]] = f
-    steps = torch.arange(longest_new, device=device)
-    ctx_pos = torch.stack([c + steps for c in cached])  # padded rows get positions too; the mask hides them
     block_pos = torch.stack([s + torch.arange(q, device=device) for s in starts])
-    # keys a block sees, in order: [cached (padded to the longest), new context (padded), its own block]
-    mask = torch.zeros(b, 1, q, longest_cache + longest_new + q, dtype=torch.bool, device=device)
-    for i, (c, n) in enumerate(zip(cached, new)):
-        mask[i, :, :, :c] = True
-        mask[i, :, :, longest_cache:longest_cache + n] = True
-    mask[:, :, :, longest_cache + longest_new:] = True
-    cache = DrafterCache(cfg.num_hidden_layers)
-    if longest_cache:
-        shape = (b, cfg.num_key_value_heads, longest_cache, cfg.head_dim)
-        for layer in range(cfg.num_hidden_layers):
-            keys, values = feats.new_zeros(shape), feats.new_zeros(shape)
-            for i, p in enumerate(proposers):
-                if cached[i]:
-                    keys[i, :, : cached[i]] = p.cache.keys[layer][0]
-                    values[i, :, : cached[i]] = p.cache.values[layer][0]
-            cache.keys[layer], cache.values[layer] = keys, values
+    if b == 1:  # alone: straight on its own cache, nothing to pad or hide
+        feats, cache, mask = features[0][None], first.cache, None
+        ctx_pos, block_pos = torch.arange(cached[0], starts[0], device=device), block_pos[0]
+    else:
+        longest_cache, longest_new = max(cached), max(new)
+        feats = features[0].new_zeros(b, longest_new, features[0].shape[-1])
+        for i, f in enumerate(features):
+            feats[i, : f.shape[0]] = f
+        steps = torch.arange(longest_new, device=device)
+        ctx_pos = torch.stack([c + steps for c in cached])  # padded rows get positions too; the mask hides them
+        # keys a block sees, in order: [cached (padded to the longest), new context (padded), its own block]
+        mask = torch.zeros(b, 1, q, longest_cache + longest_new + q, dtype=torch.bool, device=device)
+        for i, (c, n) in enumerate(zip(cached, new)):
+            mask[i, :, :, :c] = True
+            mask[i, :, :, longest_cache:longest_cache + n] = True
+        mask[:, :, :, longest_cache + longest_new:] = True
+        cache = DrafterCache(cfg.num_hidden_layers)
+        if longest_cache:
+            shape = (b, cfg.num_key_value_heads, longest_cache, cfg.head_dim)
+            for layer in range(cfg.num_hidden_layers):
+                keys, values = feats.new_zeros(shape), feats.new_zeros(shape)
+                for i, p in enumerate(proposers):
+                    if cached[i]:
+                        keys[i, :, : cached[i]] = p.cache.keys[layer][0]
+                        values[i, :, : cached[i]] = p.cache.values[layer][0]
+                cache.keys[layer], cache.values[layer] = keys, values
     embeds = model.block_embeddings(first.embed_tokens, torch.tensor(bonuses, device=device))
     hidden = model(embeds, feats, ctx_pos, block_pos, cache=cache, attn_mask=mask)  # [b, Q, H]
-    for i, p in enumerate(proposers):  # each request keeps its new context K/V (the blocks' never stay)
-        rows = slice(longest_cache, longest_cache + new[i])
-        for layer in range(cfg.num_hidden_layers):
-            p.cache.append(layer, cache.keys[layer][i:i + 1, :, rows], cache.values[layer][i:i + 1, :, rows])
+    if b == 1:
+        first.cache.crop(starts[0])  # keep the context K/V, drop the block's
+    else:
+        for i, p in enumerate(proposers):  # each request keeps its new context K/V (the blocks' never stay)
+            rows = slice(longest_cache, longest_cache + new[i])
+            for layer in range(cfg.num_hidden_layers):
+                p.cache.append(layer, cache.keys[layer][i:i + 1, :, rows], cache.values[layer][i:i + 1, :, rows])
     if not cfg.shift_label:
         hidden = hidden[:, 1:]  # slot 0 only restates the bonus token
     logits = first.lm_head(hidden.reshape(-1, hidden.shape[-1])).reshape(b, hidden.shape[1], -1)

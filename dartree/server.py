@@ -24,6 +24,7 @@ import torch
 from . import __version__
 from .engine import FINISH_CANCELLED, FINISH_ERROR
 from .errors import DartreeError
+from .hardware import hand_over_threads
 from .pipeline import GenerationResult
 from .settings import GenerationSettings
 from .trees import TreeSettings
@@ -87,6 +88,7 @@ class Engine:
                               buckets=(0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0))
         self._rounds = 0
         self._committed = 0
+        hand_over_threads()  # this thread loaded and measured the model; the engine thread computes from now on
         self.thread = threading.Thread(target=self._work, name="dartree-engine", daemon=True)
         self.thread.start()
 

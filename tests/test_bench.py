@@ -158,7 +158,9 @@ def test_two_concurrent_shards_write_the_same_records_as_one_run(tiny_dirs, tmp_
     lines = (tmp_path / "sharded" / "records.jsonl").read_text().splitlines()
     sharded = [json.loads(line) for line in lines]  # every line whole: the shards never interleaved
     assert len(whole) == 6 * 3 and len(sharded) == len(whole)
-    tokens = lambda records: {(r["dataset"], r["sample_id"], r["key"]): r["output_sha1"] for r in records}
+    def tokens(records):
+        return {(r["dataset"], r["sample_id"], r["key"]): r["output_sha1"] for r in records}
+
     assert tokens(sharded) == tokens(whole)
     assert all(r["matches_ar"] for r in sharded if r["method"] != "ar")
     assert main(common + ["--out", str(tmp_path / "sharded"), "--shard", "2/2"]) == 0  # a finished shard resumes to nothing

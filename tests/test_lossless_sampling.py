@@ -12,6 +12,7 @@ import torch
 from tiny import make_tiny_drafter, make_tiny_target
 
 import dartree
+from dartree.trees import HEAD_METHODS
 from dartree.verify import Sampler
 
 VOCAB = 4
@@ -76,8 +77,6 @@ def empirical(pipe, method, length=3):
 def truth(small_pipes):
     return exact_joint(small_pipes["domino"].target_model, PROMPT, 3)
 
-
-from dartree.trees import HEAD_METHODS
 
 METHODS_BY_HEAD = [("domino", m) for m in dartree.METHODS] + [("markov", m) for m in HEAD_METHODS]
 

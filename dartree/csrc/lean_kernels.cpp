@@ -535,11 +535,15 @@ torch::Tensor swiglu(torch::Tensor gu) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("pack_weight", &pack_weight, "pack a [N, K] weight into [N/16, K, 16] blocks");
+  // Each kernel lets go of the GIL while it computes (as torch's own operators do), so that another
+  // Python thread (the server's HTTP loop streaming tokens) runs during a forward rather than
+  // between its kernels.
+  using release = py::call_guard<py::gil_scoped_release>;
+  m.def("pack_weight", &pack_weight, "pack a [N, K] weight into [N/16, K, 16] blocks", release());
   m.def("product", &product, "x @ W.T (+ residual) on a packed weight, row-invariant", py::arg("x"), py::arg("packed"),
-        py::arg("n"), py::arg("residual") = py::none());
-  m.def("rmsnorm", &rmsnorm, "RMSNorm over the last dimension, row-invariant");
-  m.def("rope_store", &rope_store, "RoPE on q and k, k and v written to the KV cache");
-  m.def("attention", &attention, "attention over a slot's cache with per-row visibility, row-invariant");
-  m.def("swiglu", &swiglu, "silu(gate) * up");
+        py::arg("n"), py::arg("residual") = py::none(), release());
+  m.def("rmsnorm", &rmsnorm, "RMSNorm over the last dimension, row-invariant", release());
+  m.def("rope_store", &rope_store, "RoPE on q and k, k and v written to the KV cache", release());
+  m.def("attention", &attention, "attention over a slot's cache with per-row visibility, row-invariant", release());
+  m.def("swiglu", &swiglu, "silu(gate) * up", release());
 }

@@ -201,12 +201,12 @@ def prefill_left_padded(model, prompts: list[list[int]], pad_id: int, group: int
         if part is cache:
             return logits, cache, attn
         index = torch.tensor(rows, device=device)
-        for l, layer in enumerate(part.layers):
-            if keys[l] is None:
-                keys[l] = layer.keys.new_zeros((n, *layer.keys.shape[1:-2], width, layer.keys.shape[-1]))
-                values[l] = layer.values.new_zeros((n, *layer.values.shape[1:-2], width, layer.values.shape[-1]))
-            keys[l][index, ..., width - w:, :] = layer.keys
-            values[l][index, ..., width - w:, :] = layer.values
+        for li, layer in enumerate(part.layers):
+            if keys[li] is None:
+                keys[li] = layer.keys.new_zeros((n, *layer.keys.shape[1:-2], width, layer.keys.shape[-1]))
+                values[li] = layer.values.new_zeros((n, *layer.values.shape[1:-2], width, layer.values.shape[-1]))
+            keys[li][index, ..., width - w:, :] = layer.keys
+            values[li][index, ..., width - w:, :] = layer.values
     for layer, k, v in zip(cache.layers, keys, values):
         layer.update(k, v)
     return logits, cache, attn
