@@ -241,9 +241,11 @@ def run_round(target, requests: list[Request], head: CorrectionHead | None = Non
     drafts: dict[int, object] = {}
 
     def draft(group: list[Request]) -> None:
-        outputs = draft_batch([r.proposer for r in group], [r.bonus for r in group],
-                              [torch.cat(r.pending) if len(r.pending) > 1 else r.pending[0] for r in group],
-                              [r.position for r in group])
+        features = [torch.cat(r.pending) if len(r.pending) > 1 else r.pending[0] for r in group]
+        if len(group) == 1:  # its proposer's own call (the same code as a batch of one)
+            outputs = [group[0].proposer.draft(group[0].bonus, features[0], group[0].position)]
+        else:
+            outputs = draft_batch([r.proposer for r in group], [r.bonus for r in group], features, [r.position for r in group])
         for r, out in zip(group, outputs):
             r.pending = []
             drafts[id(r)] = out

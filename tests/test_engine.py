@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dartree
+from dartree.drafter import DrafterCache
 from dartree.engine import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP
 from dartree.lean import LeanTarget
 from dartree.settings import GenerationSettings
@@ -139,10 +140,12 @@ def test_a_request_that_fails_ends_alone_and_the_others_go_on(lean_pipe):
     good = [pipe.request(torch.tensor([3, 1]), settings_, [], alone=False) for _ in range(2)]
     bad = pipe.request(torch.tensor([3, 1]), settings_, [], alone=False)
 
-    def broken_draft(*args, **kwargs):
-        raise RuntimeError("drafter broke")
+    class BrokenCache(DrafterCache):  # every drafter call of this request fails, alone or batched
+        @property
+        def length(self):
+            raise RuntimeError("drafter broke")
 
-    bad.proposer.draft = broken_draft
+    bad.proposer.reset = lambda: setattr(bad.proposer, "cache", BrokenCache(1))
     for r in (good[0], bad, good[1]):
         engine.submit(r)
     engine.run()
