@@ -176,3 +176,33 @@ def test_lean_can_be_refused_and_insisted_on(model_dirs):
         dartree.load(target, drafter, dtype=torch.bfloat16, lean=True)
     with pytest.raises(ValueError, match="lean must be"):
         dartree.load(target, drafter, dtype=torch.float32, lean="yes")
+
+
+def test_products_use_every_thread_and_keep_their_bits_on_another_thread():
+    """The kernels are built with OpenMP (without it ATen's parallel_for runs serially): a product
+    split over 1 or 2 threads, on the main thread or on a worker thread after the main thread's
+    OpenMP workers were handed over, gives the same bits."""
+    import threading
+
+    from dartree.hardware import hand_over_threads
+
+    assert ext.built_with_openmp()
+    gen = torch.Generator().manual_seed(5)
+    w, x = torch.randn(960, 576, generator=gen), torch.randn(7, 576, generator=gen)
+    packed = ext.pack_weight(w)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ext.product(x, packed, 960)
+        torch.set_num_threads(2)
+        two = ext.product(x, packed, 960)
+        assert torch.equal(one, two)
+        assert hand_over_threads()  # torch's own libgomp is found and frees this thread's workers
+        out = {}
+        worker = threading.Thread(target=lambda: out.setdefault("y", ext.product(x, packed, 960)))
+        worker.start()
+        worker.join()
+        assert torch.equal(out["y"], one)
+        assert torch.equal(ext.product(x, packed, 960), one)  # and the main thread computes again afterwards
+    finally:
+        torch.set_num_threads(before)

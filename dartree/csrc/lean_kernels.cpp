@@ -534,6 +534,16 @@ torch::Tensor swiglu(torch::Tensor gu) {
   return y;
 }
 
+// Whether this build splits work over threads: without -fopenmp ATen's parallel_for (an inline
+// omp pragma) runs every kernel on one thread.
+bool built_with_openmp() {
+#ifdef _OPENMP
+  return true;
+#else
+  return false;
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Each kernel lets go of the GIL while it computes (as torch's own operators do), so that another
   // Python thread (the server's HTTP loop streaming tokens) runs during a forward rather than
@@ -546,4 +556,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_store", &rope_store, "RoPE on q and k, k and v written to the KV cache", release());
   m.def("attention", &attention, "attention over a slot's cache with per-row visibility, row-invariant", release());
   m.def("swiglu", &swiglu, "silu(gate) * up", release());
+  m.def("built_with_openmp", &built_with_openmp, "whether the kernels split their work over torch's threads");
 }
