@@ -77,8 +77,9 @@ def _run_data(args) -> int:
         if reason is not None and args.generator == "engine":
             raise DartreeError(f"--generator engine needs the lean forward: {reason}")
         use_engine = reason is None
-        if not use_engine:  # auto: the batch generator at its own dtype
-            model = load_target(target, inexact_work_dtype(args.dtype, device), device)
+        batch_dtype = inexact_work_dtype(args.dtype, device)
+        if not use_engine and batch_dtype != model.dtype:  # auto: the batch generator at its own dtype
+            model = load_target(target, batch_dtype, device)
     generator = Pipeline(model, None, tokenizer, lean=True) if use_engine else model
     generate_data(generator, tokenizer, args.prompts, args.out, args.num_prompts, args.batch_size,
                   args.max_new_tokens, args.sample_fraction, args.seed, args.max_minutes,

@@ -21,7 +21,7 @@ import os
 import random
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -317,6 +317,7 @@ class ShardJob:
     encoded: list[list[int]]
     temperature: float
     seed: int
+    queued_at: float = field(default_factory=time.perf_counter)  # on the engine, shards overlap: its span starts here
 
 
 def batch_responses(model, jobs: Iterable[ShardJob], max_new_tokens: int, stop_ids: set[int], pad_id: int):
@@ -393,8 +394,6 @@ def generate_data(target, tokenizer, prompts_dir, out_dir, num_prompts: int | No
     order = list(range(start_shard, len(shards))) + list(range(start_shard))
     todo = [k for k in order if not shard_path(out_dir, k).exists()]
     bar = tqdm(total=len(todo), desc=f"generating responses ({len(shards) - len(todo)} of {len(shards)} shards present)", unit="shard")
-    started: dict[int, float] = {}
-
     def jobs():
         for k in todo:
             if max_minutes is not None and time.perf_counter() - t0 > 60 * max_minutes:
@@ -404,7 +403,6 @@ def generate_data(target, tokenizer, prompts_dir, out_dir, num_prompts: int | No
                 bar.update()
                 continue
             temperature = 1.0 if random.Random(seed * 100_003 + k).random() < sample_fraction else 0.0
-            started[k] = time.perf_counter()
             # encoded shard by shard: the expanded set's 70k chat templates would take minutes up front
             encoded = [chat_token_ids(tokenizer, [{"role": "user", "content": p.text}])[-512:] for p in shards[k]]  # keep prompts short enough for a CPU
             yield ShardJob(k, shards[k], encoded, temperature, seed * 1_000_003 + k)
@@ -419,7 +417,7 @@ def generate_data(target, tokenizer, prompts_dir, out_dir, num_prompts: int | No
             s.source = f"{p.source}/{p.category}"
         new = sum(s.tokens.numel() - s.prompt_len for s in seqs)
         new_total += new
-        seconds = time.perf_counter() - started[job.k]  # on the engine, shards overlap: this is the shard's span
+        seconds = time.perf_counter() - job.queued_at
         save_shard(shard_path(out_dir, job.k), seqs,
                    {"temperature": job.temperature, "shard": job.k, "dtype": dtype, "max_new_tokens": max_new_tokens,
                     "generator": "engine" if on_engine else "batch", "seconds": round(seconds, 1), "new_tokens": new})
