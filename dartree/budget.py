@@ -41,6 +41,7 @@ class BudgetChoice:
     expected_tokens: float  # committed tokens expected from the round
     expected_ms: float  # the verification's time (the round's draft and tree are already paid)
     worth: float = 1.0  # drafting's expected speed this round over plain steps' (< 1: drafting loses)
+    probe_scale: float = 1.0  # the plain steps between probes are stretched by this (the batch's throughput over one request's)
 
 
 @dataclass
@@ -60,6 +61,8 @@ class BudgetPolicy:
     value: float = 1.0  # running expected speed of a drafted round over a plain step's (< 1: back off)
     plain_left: int = 0  # plain steps to take before the next probe
     lost_probes: int = 0  # consecutive back-offs without a winning round in between
+    probe_scale: float = 1.0  # the last round's stretch of the back-off (``BudgetChoice.probe_scale``)
+    start_plain: int = 0  # plain steps a request forked from this policy starts with (the last one ended backed off)
     history: list[int] = field(default_factory=list)  # per round: nodes verified; 0: the root alone; -1: a plain step, no draft
     parent: "BudgetPolicy | None" = field(default=None, repr=False, compare=False)  # the policy it was forked from
 
@@ -76,13 +79,19 @@ class BudgetPolicy:
         return other
 
     def hand_back(self) -> None:
-        """The calibration this request learnt, for the policy it was forked from (the latest wins)."""
+        """The calibration this request learnt, for the policy it was forked from (the latest wins),
+        and whether the next request starts backed off (this one ended so)."""
         if self.parent is not None:
             self.parent.predicted, self.parent.accepted = list(self.predicted), list(self.accepted)
+            # only after a back-off in a batch: alone, a first-round probe costs the request only its own time
+            backed_off_in_batch = self.lost_probes > 0 and self.probe_scale > 1.0
+            self.parent.start_plain = round(self.probe_scale * self.probe_every) if backed_off_in_batch else 0
 
     def start_request(self) -> None:
-        """A new generation starts with speculation on; the calibration carries over."""
-        self.value, self.plain_left, self.lost_probes = 1.0, 0, 0
+        """A new generation starts with speculation on (or, forked after a request that ended backed
+        off, as if its first probe had lost); the calibration carries over."""
+        start = self.parent.start_plain if self.parent is not None else 0
+        self.value, self.plain_left, self.lost_probes = 1.0, start, int(start > 0)
 
     # ------------------------------------------------------------- decisions
     def speculate(self) -> bool:
@@ -136,10 +145,11 @@ class BudgetPolicy:
     def apply(self, tree: DraftTree, choice: BudgetChoice) -> DraftTree:
         """Verify ``choice.nodes`` of ``tree`` this round, and decide from it whether the next rounds draft."""
         self.value += self.smoothing * (choice.worth - self.value)
+        self.probe_scale = choice.probe_scale
         if self.value < 1.0:
             # Back off: a drafter that keeps losing is probed ever less often (each probe costs a
             # drafter call and a tree build); a probe is judged afresh.
-            self.plain_left = min(self.probe_every * 2 ** self.lost_probes, self.max_probe_every)
+            self.plain_left = round(choice.probe_scale * min(self.probe_every * 2 ** self.lost_probes, self.max_probe_every))
             self.lost_probes += 1
             self.value = 1.0
         else:
@@ -201,6 +211,10 @@ def choose_batch(items: list[tuple[BudgetPolicy, DraftTree]], fixed_rows: int, b
     # tokens bring) backs off and takes plain steps until its next probe.
     choices = []
     plain_rate = base_tokens / cost.verify(fixed_rows)
+    # A probe holds up the whole batch: its back-off is stretched by the batch's plain throughput
+    # over a lone request's (1 alone, so a single request's schedule is unchanged).
+    batch = max(int(round(base_tokens)), 1)
+    probe_scale = max(1.0, batch * cost.verify(1) / cost.verify(batch))
     extra_ms = float(ms[m] - ms[0])
     for i, n in enumerate(counts):
         mine = float(1.0 + torch.cumsum(torch.tensor(probs[i][:n], dtype=torch.float64), 0)[-1]) if n else 1.0
@@ -209,7 +223,7 @@ def choose_batch(items: list[tuple[BudgetPolicy, DraftTree]], fixed_rows: int, b
         else:
             spent = cost.draft_share(len(items)) + cost.tree_share(len(items)) + (extra_ms * n / m if m else 0.0)
             worth = (mine - 1.0) / spent / plain_rate if spent > 0 else 1.0
-        choices.append(BudgetChoice(n, mine, float(ms[m]), worth))
+        choices.append(BudgetChoice(n, mine, float(ms[m]), worth, probe_scale))
     return choices
 
 

@@ -295,3 +295,37 @@ def test_a_request_pays_its_share_of_a_batched_drafter_call():
     trees = CostModel({"machine": "synthetic"}, 256, {1: 10.0}, tree_ms=3.0, tree_batch_ms={4: 6.0})
     assert trees.tree_share(1) == 3.0 and trees.tree_share(4) == 1.5
     assert CostModel.from_json(trees.to_json()).tree_batch_ms == {4: 6.0}
+
+
+def test_in_a_batch_a_lost_probe_waits_longer_and_the_next_request_starts_backed_off():
+    """A probe's drafter call holds up the whole batch: after a lost round in a batch of n the plain
+    steps before the next probe are stretched by n t(1) / t(n); a request forked after one that ended
+    so starts with that many plain steps. Alone nothing changes: the same tree, cut alone, backs off
+    probe_every steps, and the next request drafts at once."""
+    from dartree.budget import cut_batch
+
+    cost = synthetic_cost(10.0, 0.5, draft_ms=30.0)  # t(8) = 13.5 ms: 8 requests run 8 * 10 / 13.5 = 5.9x faster together
+    hopeless = ranked_tree([0.05, 0.01])
+    shared = BudgetPolicy(cost, probe_every=4)
+    batch = [shared.fork() for _ in range(8)]
+    for p in batch:
+        p.start_request()
+        assert p.speculate()
+    cut_batch([(p, hopeless) for p in batch], 8, 8.0)
+    stretched = round(8 * 10.0 / 13.5 * 4)
+    for p in batch:
+        assert [p.speculate() for _ in range(stretched + 1)] == [False] * stretched + [True]
+    batch[0].hand_back()
+    joining = shared.fork()
+    joining.start_request()
+    assert [joining.speculate() for _ in range(stretched + 1)] == [False] * stretched + [True]
+
+    alone_shared = BudgetPolicy(cost, probe_every=4)
+    alone = alone_shared.fork()
+    alone.start_request()
+    cut_batch([(alone, hopeless)], 1, 1.0)
+    assert [alone.speculate() for _ in range(5)] == [False] * 4 + [True]
+    alone.hand_back()
+    after = alone_shared.fork()
+    after.start_request()
+    assert after.speculate()
