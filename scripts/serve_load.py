@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import statistics
 import subprocess
@@ -33,7 +32,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LLAMA = ROOT / ".cache" / "llama.cpp"
 
 
 def rss_mb(pid: int | str = "self") -> float:
@@ -57,15 +55,6 @@ def wait_healthy(proc: subprocess.Popen, port: int, tries: int) -> bool:
             time.sleep(0.5)
     proc.kill()
     return False
-
-
-def start_llama(gguf: Path, threads: int, slots: int, port: int, extra: tuple[str, ...] = ()) -> subprocess.Popen | None:
-    env = dict(os.environ, LD_LIBRARY_PATH=str(LLAMA / "bin"))
-    proc = subprocess.Popen([str(LLAMA / "bin" / "llama-server"), "-m", str(gguf), "-t", str(threads), "-tb", str(threads),
-                             "-c", str(2048 * slots), "-np", str(slots), "--port", str(port), "--host", "127.0.0.1",
-                             "-ngl", "0", *extra], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    # None when it died (seen: Q4_1 repacking hit an illegal instruction in a KVM guest with AMX flags)
-    return proc if wait_healthy(proc, port, 240) else None
 
 
 def start_dartree(method: str, threads: int, slots: int, port: int, max_tokens: int) -> subprocess.Popen:
@@ -132,8 +121,8 @@ def main() -> None:
     import torch
 
     import dartree
+    from dartree.bench import llama_cpp
     from dartree.bench.datasets import DATASETS, load_samples, select
-    from dartree.default_model import gguf_path
     from dartree.hardware import describe_machine
 
     per = -(-args.prompts // len(DATASETS))
@@ -159,26 +148,15 @@ def main() -> None:
             records += [{"engine": row["engine"], "concurrency": c, **r} for r in recs]
             print(json.dumps(row), flush=True)
     if not args.no_llama:
-        f32 = LLAMA / "SmolLM2-135M-Instruct.F32.gguf"
-        if not (LLAMA / "bin" / "llama-server").is_file() or not f32.is_file():
-            raise SystemExit("llama.cpp is not built here; run `bash scripts/build_llama_cpp.sh` first (or pass --no-llama)")
-        for label, gguf, port in (("llama.cpp F32", f32, 18091), ("llama.cpp Q4_1", gguf_path(), 18092)):
+        if llama_cpp.missing():
+            raise SystemExit(f"{llama_cpp.missing()} (or pass --no-llama)")
+        for label, peer, port in (("llama.cpp F32", "llama.cpp-f32", 18091), ("llama.cpp Q4_1", "llama.cpp-q4_1", 18092)):
             for c in levels:
-                extra: tuple[str, ...] = ()
-                proc = start_llama(gguf, args.threads, c, port)
-                if proc is None:
-                    extra = ("--no-repack",)
-                    proc = start_llama(gguf, args.threads, c, port, extra)
-                if proc is None:
-                    raise RuntimeError(f"llama-server on {gguf} did not come up")
-                try:
-                    recs, wall = run_clients(f"http://127.0.0.1:{port}/v1", "x", prompts, c, args.max_tokens,
+                with llama_cpp.LlamaServer(llama_cpp.peer_weights(peer), args.threads, port, slots=c, context_per_slot=2048) as server:
+                    recs, wall = run_clients(f"{server.base_url}/v1", "x", prompts, c, args.max_tokens,
                                              {"top_k": 1, "seed": 0, "cache_prompt": False})
-                    row = {"engine": label, "concurrency": c, **summarize(recs, wall), "rss_mb": round(rss_mb(proc.pid), 0),
-                           "server_flags": " ".join(extra)}
-                finally:
-                    proc.send_signal(signal.SIGINT)
-                    proc.wait(timeout=30)
+                    row = {"engine": label, "concurrency": c, **summarize(recs, wall), "rss_mb": round(rss_mb(server.proc.pid), 0),
+                           "server_flags": " ".join(server.flags)}
                 rows.append(row)
                 records += [{"engine": label, "concurrency": c, **r} for r in recs]
                 print(json.dumps(row), flush=True)

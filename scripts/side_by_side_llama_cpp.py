@@ -5,61 +5,22 @@
         --out docs/results/lean-forward/side-by-side-2threads
 
 Each prompt (the first turn of ``--per-dataset`` seeded samples of each of the seven benchmarks) is
-decoded at T = 0 by every dartree configuration in-process and by ``llama-server`` (one slot) on the
-F32 GGUF made from the shipped Q4_1 file (the weights dartree decodes) and on the Q4_1 file itself.
-Decode speed is new tokens over decode time, prompt processing excluded on both sides (dartree's
+decoded at T = 0 by every dartree configuration in-process, by Hugging Face ``generate`` (greedy, on
+the target as ``from_pretrained`` loads it) and by ``llama-server`` (one slot, given the same prompt
+token ids; ``dartree.bench.llama_cpp``) on the F32 GGUF made from the shipped Q4_1 file (the weights
+dartree decodes) and on the Q4_1 file itself. Decode speed is new tokens over decode time, prompt processing excluded on both sides (dartree's
 ``stats.decode_seconds``; llama.cpp's own ``timings``). Reported as total tokens over total time,
-with per-dataset means beside it; the records say whether each dartree text equals lean ``ar``.
+with per-dataset means beside it; the records say whether each text (llama.cpp's too) equals lean ``ar``'s tokens.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import statistics
-import subprocess
-import time
-import urllib.request
 from pathlib import Path
 
 import torch
-
-ROOT = Path(__file__).resolve().parent.parent
-LLAMA = ROOT / ".cache" / "llama.cpp"
-
-
-def start_server(gguf: Path, threads: int, port: int, extra: tuple[str, ...] = ()) -> subprocess.Popen | None:
-    env = dict(os.environ, LD_LIBRARY_PATH=str(LLAMA / "bin"))
-    proc = subprocess.Popen([str(LLAMA / "bin" / "llama-server"), "-m", str(gguf), "-t", str(threads), "-tb", str(threads),
-                             "-c", "4096", "-np", "1", "--port", str(port), "--host", "127.0.0.1", "-ngl", "0", *extra],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(240):
-        if proc.poll() is not None:
-            return None  # it died (seen: Q4_1 weight repacking hit an illegal instruction in a KVM guest with AMX flags)
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
-                if r.status == 200:
-                    llama_generate(port, "warm up", 8)  # the first request repacks/loads lazily
-                    return proc
-        except OSError:
-            time.sleep(0.5)
-    proc.kill()
-    return None
-
-
-def llama_generate(port: int, prompt: str, max_new_tokens: int) -> dict:
-    body = json.dumps({"messages": [{"role": "user", "content": prompt}], "max_tokens": max_new_tokens, "temperature": 0,
-                       "top_k": 1, "seed": 0, "cache_prompt": False}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body, {"Content-Type": "application/json"})
-    t0 = time.perf_counter()
-    with urllib.request.urlopen(req, timeout=600) as r:
-        out = json.loads(r.read())
-    wall = time.perf_counter() - t0
-    t = out["timings"]
-    return {"new_tokens": t["predicted_n"], "decode_seconds": t["predicted_ms"] / 1000, "wall_seconds": wall,
-            "text": out["choices"][0]["message"]["content"]}
 
 
 def main() -> None:
@@ -69,18 +30,18 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--methods", default="ar,dartree,ddtree", help="dartree methods (budget auto where ranked)")
     ap.add_argument("--hf-methods", default="ar", help="methods also run on the Hugging Face forward (comma-separated; '' for none)")
+    ap.add_argument("--no-hf-generate", action="store_true", help="skip Hugging Face generate (greedy) on the target as HF loads it")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
     import dartree
+    from dartree.bench import llama_cpp
     from dartree.bench.datasets import DATASETS, load_samples, select
-    from dartree.default_model import gguf_path
     from dartree.hardware import describe_machine
     from dartree.pipeline import Pipeline
 
-    f32 = LLAMA / "SmolLM2-135M-Instruct.F32.gguf"
-    if not (LLAMA / "bin" / "llama-server").is_file() or not f32.is_file():
-        raise SystemExit("llama.cpp is not built here; run `bash scripts/build_llama_cpp.sh` first (~8 minutes)")
+    if llama_cpp.missing():
+        raise SystemExit(llama_cpp.missing())
     prompts = [(ds, s.turns[0]) for ds in DATASETS for s in select(load_samples(ds), args.per_dataset)]
     index = {p: i for i, (_, p) in enumerate(prompts)}  # the exactness check's key (prompts share long prefixes)
     lean = dartree.load(threads=args.threads, lean=True)
@@ -97,27 +58,23 @@ def main() -> None:
                                 "new_tokens": res.stats.new_tokens, "decode_seconds": res.stats.decode_seconds,
                                 "tau": res.stats.mean_acceptance, "token_ids": res.token_ids})
             print(name, ds, {r["method"]: round(r["new_tokens"] / r["decode_seconds"], 1) for r in records[-len(methods):]}, flush=True)
-    for label, gguf, port in (("llama.cpp-F32", f32, 18081), ("llama.cpp-Q4_1", gguf_path(), 18082)):
-        extra: tuple[str, ...] = ()
-        proc = None
-        try:
-            proc = start_server(gguf, args.threads, port)
-        except OSError:
-            pass
-        if proc is None:
-            extra = ("--no-repack",)
-            proc = start_server(gguf, args.threads, port, extra)
-        if proc is None:
-            raise RuntimeError(f"llama-server on {gguf} did not come up (with or without --no-repack)")
-        try:
+    if not args.no_hf_generate:  # what a Hugging Face user runs: generate on the model as from_pretrained loads it
+        from dartree.bench.datasets import Sample
+        from dartree.bench.runner import RunConfig, run_hf_peer
+
+        for ds, prompt in prompts:
+            turn = run_hf_peer(lean, Sample(ds, str(index[prompt]), [prompt]), RunConfig("hf-generate"), args.max_new_tokens)[0]
+            records.append({"engine": "hf-generate", "method": "ar", "dataset": ds, "prompt_index": index[prompt], "prompt": prompt[:80],
+                            "new_tokens": turn["new_tokens"], "decode_seconds": turn["decode_seconds"], "token_ids": turn["token_ids"]})
+        print("hf-generate done", flush=True)
+    for label, peer in (("llama.cpp-F32", "llama.cpp-f32"), ("llama.cpp-Q4_1", "llama.cpp-q4_1")):
+        # the same prompt token ids as dartree's (our chat template), greedy
+        with llama_cpp.start_peer(peer, args.threads, 18081) as server:
             for ds, prompt in prompts:
-                r = llama_generate(port, prompt, args.max_new_tokens)
-                records.append({"engine": label, "method": "ar", "dataset": ds, "prompt": prompt[:80],
-                                "server_flags": " ".join(extra), **r})
-            print(label, "done", flush=True)
-        finally:
-            proc.send_signal(signal.SIGINT)
-            proc.wait(timeout=30)
+                r = server.complete(lean.encode(prompt).tolist(), args.max_new_tokens)
+                records.append({"engine": label, "method": "ar", "dataset": ds, "prompt_index": index[prompt], "prompt": prompt[:80],
+                                "server_flags": " ".join(server.flags), **r})
+        print(label, "done", flush=True)
     # exactness: every dartree text against lean ar on the same prompt
     ref = {r["prompt_index"]: r["token_ids"] for r in records if r["engine"] == "dartree-lean" and r["method"] == "ar"}
     for r in records:
@@ -133,7 +90,7 @@ def main() -> None:
                "mean_of_dataset_means": round(statistics.mean(per_ds.values()), 1)}
         if "tau" in rs[0]:
             row["tau_mean"] = round(statistics.mean(r["tau"] for r in rs), 2)
-            row["exact_vs_lean_ar"] = f"{sum(r['equals_lean_ar'] for r in rs)}/{len(rs)}"
+        row["same_tokens_as_lean_ar"] = f"{sum(r['equals_lean_ar'] for r in rs)}/{len(rs)}"
         summary["rows"][" ".join(key)] = row
     f32_total = summary["rows"]["llama.cpp-F32 ar"]["tokens_per_second_total"]
     for row in summary["rows"].values():
@@ -144,7 +101,8 @@ def main() -> None:
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     for k, row in summary["rows"].items():
         print(f"{k:28s} {row['tokens_per_second_total']:7.1f} tok/s  x{row['ratio_to_llama_cpp_f32_total']:.2f} llama.cpp F32"
-              f"  (mean of datasets {row['mean_of_dataset_means']}){'  tau ' + str(row['tau_mean']) + ' exact ' + row['exact_vs_lean_ar'] if 'tau_mean' in row else ''}")
+              f"  (mean of datasets {row['mean_of_dataset_means']})  same tokens as lean ar {row['same_tokens_as_lean_ar']}"
+              + (f"  tau {row['tau_mean']}" if "tau_mean" in row else ""))
 
 
 if __name__ == "__main__":

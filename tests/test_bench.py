@@ -67,7 +67,10 @@ def test_run_resumes_compares_with_ar_and_reports(tiny_pipe, tmp_path):
     assert len(first) == 2 * len(grid) and len(records) == 4 * len(grid)
     assert records[: len(first)] == first
     t0 = [r for r in records if r["temperature"] == 0 and r["method"] != "ar"]
-    assert t0 and all(r["matches_ar"] for r in t0)
+    ours = [r for r in t0 if not r["method"].startswith("hf-")]
+    assert ours and all(r["matches_ar"] for r in ours)
+    # a peer's tokens are compared too, but as a measurement (never counted as a mismatch of ours)
+    assert all(r["same_as_ar"] and "matches_ar" not in r for r in t0 if r["method"].startswith("hf-"))
     assert all(len(r["turns"]) == 2 for r in records if r["dataset"] == "mt-bench")
     summaries = {(s.dataset, s.key): s for s in summarise(records)}
     s = summaries[("gsm8k", "dartree|T=0|B=4|W=12|K=64|beta=-0.2")]
@@ -256,3 +259,92 @@ def test_a_run_can_cross_dtypes_each_against_its_own_ar(tiny_dirs, tmp_path):
             assert s.speedup_vs_ar_float32 is None
     text = build_report(tmp_path).read_text()
     assert "vs fp32 ar" in text and "bfloat16" in text
+
+
+FAKE_LLAMA_SERVER = """#!{python}
+# Stands in for llama-server: answers /health and /completion like it, logs each request's prompt.
+import json, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+args = sys.argv[1:]
+port = int(args[args.index("--port") + 1])
+log = open({log!r}, "a")
+log.write(json.dumps({{"argv": args}}) + "\\n"); log.flush()
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+    def _send(self, body):
+        data = json.dumps(body).encode()
+        self.send_response(200); self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data))); self.end_headers(); self.wfile.write(data)
+    def do_GET(self):
+        self._send({{"status": "ok"}})
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        log.write(json.dumps({{"prompt": body["prompt"], "n_predict": body["n_predict"], "temperature": body["temperature"]}}) + "\\n"); log.flush()
+        tokens = [3, 1, 4][: body["n_predict"]]
+        self._send({{"tokens": tokens, "content": "", "stop_type": "limit",
+                    "timings": {{"predicted_n": len(tokens), "predicted_ms": 2.0, "prompt_ms": 1.0}}}})
+HTTPServer(("127.0.0.1", port), Handler).serve_forever()
+"""
+
+
+def test_the_llama_cpp_peer_gets_our_prompt_ids_and_reports_beside_ar(tiny_pipe, tmp_path, monkeypatch):
+    """`dartree bench` drives llama-server as a peer: it is started once per run on the right GGUF,
+    gets every turn's prompt as our chat template's token ids (greedy), its tokens and its own decode
+    time are recorded, compared with ar's as a measurement, reported beside ar (x llama.cpp F32,
+    totals), and the server is stopped at the end. A stand-in server plays llama-server here."""
+    from dartree.bench import llama_cpp
+
+    cache = tmp_path / "cache"
+    (cache / "llama.cpp" / "bin").mkdir(parents=True)
+    monkeypatch.setenv("DARTREE_CACHE", str(cache))
+    assert "scripts/build_llama_cpp.sh" in llama_cpp.missing()  # absent: the one line that builds it
+    log = tmp_path / "server.log"
+    fake = cache / "llama.cpp" / "bin" / "llama-server"
+    fake.write_text(FAKE_LLAMA_SERVER.format(python=sys.executable, log=str(log)))
+    fake.chmod(0o755)
+    (cache / "llama.cpp" / llama_cpp.F32_FILE).write_bytes(b"GGUF")
+    assert llama_cpp.missing() is None
+
+    samples = select(load_samples("mt-bench"), 1) + select(load_samples("gsm8k"), 2)
+    grid = build_grid(["dartree", "llama.cpp-f32"], [0.0], [4])
+    records = run(tiny_pipe, samples, grid, tmp_path / "run" / "records.jsonl", max_new_tokens=5)
+    peer = [r for r in records if r["method"] == "llama.cpp-f32"]
+    assert len(peer) == 3 and all(t["token_ids"] == [3, 1, 4] and t["decode_seconds"] == pytest.approx(0.002)
+                                  for r in peer for t in r["turns"])
+    assert all(r["same_as_ar"] is False and "matches_ar" not in r for r in peer)
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    starts = [x["argv"] for x in lines if "argv" in x]
+    assert len(starts) == 1 and starts[0][starts[0].index("-m") + 1].endswith(llama_cpp.F32_FILE)
+    asked = [x for x in lines if "prompt" in x][1:]  # after the warm-up request
+    messages = []
+    expected = []
+    for sample in samples:
+        messages = []
+        for turn in sample.turns:
+            messages.append({"role": "user", "content": turn})
+            expected.append(tiny_pipe.encode(messages=list(messages)).tolist())
+            messages.append({"role": "assistant", "content": tiny_pipe.tokenizer.decode([3, 1, 4], skip_special_tokens=True)})
+    assert [x["prompt"] for x in asked] == expected and all(x["n_predict"] == 5 and x["temperature"] == 0 for x in asked)
+    summaries = {(s.dataset, s.key): s for s in summarise(records)}
+    ar, llama = summaries[("gsm8k", "ar|T=0")], summaries[("gsm8k", "llama.cpp-f32|T=0")]
+    assert ar.speedup_vs_llama == pytest.approx(ar.tokens_per_second / llama.tokens_per_second)
+    text = build_report(tmp_path / "run").read_text()
+    assert "x llama.cpp F32" in text and "same tokens as ar" in text
+    # the server is gone
+    assert subprocess.run(["pgrep", "-f", str(fake)], capture_output=True).returncode == 1
+
+
+def test_bench_leaves_out_the_llama_cpp_peers_where_llama_cpp_is_not_built(tmp_path, monkeypatch, capsys):
+    from dartree.cli.bench import DEFAULT_METHODS, bench_methods
+    from dartree.errors import DartreeError
+
+    monkeypatch.setenv("DARTREE_CACHE", str(tmp_path / "empty"))
+    with pytest.raises(DartreeError, match="build_llama_cpp.sh"):
+        bench_methods("ar,llama.cpp-q4_1")  # asked for by name: an error that says how to build it
+    assert main(["bench", "--methods", "ar,llama.cpp-f32", "--out", str(tmp_path / "x"), "--limit", "1"]) != 0
+    assert "build_llama_cpp.sh" in capsys.readouterr().err
+    default = bench_methods(DEFAULT_METHODS)  # the default list runs without them, and says so
+    assert "llama.cpp-f32" in DEFAULT_METHODS and "llama.cpp-f32" not in default and "ar" in default
+    assert "leaving out the llama.cpp peers" in capsys.readouterr().err
+    assert bench_methods("ar,llama.cpp-f32", replay=True) == ["ar", "llama.cpp-f32"]  # replay runs no peer

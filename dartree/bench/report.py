@@ -9,6 +9,7 @@ from pathlib import Path
 from ..engine import ROUND_STAGES
 from ..errors import DartreeError
 from ..trees import METHODS
+from .llama_cpp import LLAMA_PEERS
 from .runner import PEERS, RunConfig, read_records
 
 
@@ -22,6 +23,10 @@ class Summary:
     tokens_per_second: float = 0.0  # total new tokens / total decode time
     speedup_vs_ar: float | None = None
     speedup_vs_hf: float | None = None
+    speedup_vs_llama: float | None = None  # against llama.cpp on the same fp32 weights (the llama.cpp-f32 peer)
+    new_tokens: int = 0
+    decode_seconds: float = 0.0
+    same_as_ar: int | None = None  # a peer: samples whose tokens equal ar's (T = 0; measured, not promised)
     speedup_vs_ar_float32: float | None = None  # a 16-bit configuration against float32 ar (the exact CPU default)
     modeled_speedup: float | None = None  # replay with a cost model: new tokens per modeled ms over ar's (one per step)
     matches_ar_float32: int = 0  # samples whose tokens equal float32 ar's (T = 0, other dtypes)
@@ -65,15 +70,18 @@ def summarise(records: list[dict]) -> list[Summary]:
                 for k, v in (t.get("stage_ms") or {}).items():
                     stages[k] += v
             s.mismatches += int(r.get("matches_ar") is False)
+            if "same_as_ar" in r:
+                s.same_as_ar = (s.same_as_ar or 0) + int(r["same_as_ar"])
             s.matches_ar_float32 += int(r.get("matches_ar_float32") is True)
         s.tau_macro = sum(per_sample) / len(per_sample) if per_sample else 0.0
         s.tau_micro = tokens / rounds if rounds else 0.0
         s.tokens_per_second = new / decode if decode > 0 else 0.0
+        s.new_tokens, s.decode_seconds = new, decode
         s.modeled_speedup = modeled_ar_ms / modeled_ms if modeled_ms > 0 else None
         s.stage_ms_per_round = {k: stages[k] / rounds for k in ROUND_STAGES if rounds}
         s.histogram = dict(sorted(hist.items()))
         out.append(s)
-    by = {(s.dataset, s.temperature, s.method, s.config.dtype): s for s in out if s.method in ("ar", "hf-generate")}
+    by = {(s.dataset, s.temperature, s.method, s.config.dtype): s for s in out if s.method in ("ar", "hf-generate", LLAMA_F32)}
     for s in out:
         ar = by.get((s.dataset, s.temperature, "ar", s.config.dtype))  # ar in the same dtype
         ar32 = by.get((s.dataset, s.temperature, "ar", "float32"))
@@ -84,9 +92,48 @@ def summarise(records: list[dict]) -> list[Summary]:
             s.speedup_vs_ar_float32 = s.tokens_per_second / ar32.tokens_per_second
         if hf and hf.tokens_per_second:
             s.speedup_vs_hf = s.tokens_per_second / hf.tokens_per_second
+        llama = by.get((s.dataset, 0.0, LLAMA_F32, "float32"))
+        if llama and llama.tokens_per_second:
+            s.speedup_vs_llama = s.tokens_per_second / llama.tokens_per_second
     return out
 
 
+def totals(summaries: list[Summary], temperature: float) -> list[tuple[str, float, float | None, float | None, float | None]]:
+    """Per configuration at ``temperature``, over every dataset it ran: total new tokens over total
+    decode time, that over ar's and over llama.cpp F32's totals (on the datasets both ran), and the
+    mean of the per-dataset ratios to ar. Rows: (label, tokens/s, x ar, x llama.cpp F32, mean of
+    per-dataset x ar)."""
+    rows = [s for s in summaries if s.temperature == temperature and s.decode_seconds > 0]
+    by_label: dict[str, list[Summary]] = defaultdict(list)
+    for s in sorted(rows, key=_order):
+        by_label[_label(s)].append(s)
+
+    def rate(group: list[Summary], datasets: set[str]) -> float | None:
+        chosen = [s for s in group if s.dataset in datasets]
+        seconds = sum(s.decode_seconds for s in chosen)
+        return sum(s.new_tokens for s in chosen) / seconds if seconds > 0 else None
+
+    ar = next((g for label, g in by_label.items() if g[0].method == "ar" and g[0].config.dtype == "float32"), [])
+    llama = next((g for g in by_label.values() if g[0].method == LLAMA_F32), [])
+    out = []
+    for label, group in by_label.items():
+        datasets = {s.dataset for s in group}
+        mine = rate(group, datasets)
+        vs_ar = vs_llama = None
+        if ar:
+            shared = datasets & {s.dataset for s in ar}
+            theirs = rate(ar, shared)
+            vs_ar = rate(group, shared) / theirs if theirs else None
+        if llama:
+            shared = datasets & {s.dataset for s in llama}
+            theirs = rate(llama, shared)
+            vs_llama = rate(group, shared) / theirs if theirs else None
+        ratios = [s.speedup_vs_ar for s in group if s.speedup_vs_ar]
+        out.append((label, mine, vs_ar, vs_llama, sum(ratios) / len(ratios) if ratios else None))
+    return out
+
+
+LLAMA_F32 = LLAMA_PEERS[0]  # the peer every speed is also set against: llama.cpp on the same fp32 weights
 METHOD_ORDER = ("ar", *PEERS, *(m for m in METHODS if m != "ar"))  # the registry's order, peers beside ar
 
 
@@ -131,14 +178,20 @@ def markdown(summaries: list[Summary], title: str = "dartree benchmark") -> str:
             if timed or modeled:
                 mean += " / " + (f"{sum(sps) / len(sps):.2f}x" if sps else "n/a")
             lines.append(f"| {k} | " + " | ".join(vals) + f" | {mean} |")
+        if timed:
+            lines += ["", f"### Totals at temperature {temp:g}: total new tokens over total decode time, all datasets", "",
+                      "| method | tokens/s | x ar | x llama.cpp F32 | mean of per-dataset x ar |", "|---|---:|---:|---:|---:|"]
+            g = lambda x, unit="x": f"{x:.2f}{unit}" if x else "n/a"  # noqa: E731
+            for label, rate, vs_ar, vs_llama, mean_ratio in totals(summaries, temp):
+                lines.append(f"| {label} | {rate:.1f} | {g(vs_ar)} | {g(vs_llama)} | {g(mean_ratio)} |")
         # A run that crosses dtypes also compares each 16-bit configuration with float32 ar: its speed
         # and how many samples reproduce float32 ar's tokens.
         crossed = any(s.config.dtype != "float32" for s in rows)
         extra = " vs fp32 ar | same tokens as fp32 ar |" if crossed else ""
         lines += ["", f"### Details at temperature {temp:g}", "",
-                  "| dataset | method | samples | τ macro | τ micro | tokens/s | vs ar (same dtype) | vs HF generate | draft ms/round | "
+                  "| dataset | method | samples | τ macro | τ micro | tokens/s | vs ar (same dtype) | vs HF generate | vs llama.cpp F32 | draft ms/round | "
                   "tree ms/round | verify ms/round | commit ms/round | T=0 mismatches |" + extra,
-                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if crossed else "")]
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if crossed else "")]
         for s in sorted(rows, key=lambda s: (s.dataset, _order(s))):
             st = s.stage_ms_per_round
             f = lambda x: f"{x:.2f}x" if x else "n/a"  # noqa: E731
@@ -148,9 +201,9 @@ def markdown(summaries: list[Summary], title: str = "dartree benchmark") -> str:
             lines.append(
                 f"| {s.dataset} | {_label(s)} | {s.samples} | {tau(s.tau_macro)} | {tau(s.tau_micro)} | "
                 f"{f'{s.tokens_per_second:.1f}' if s.tokens_per_second else '–'} | "
-                f"{f(s.speedup_vs_ar)} | {f(s.speedup_vs_hf)} | "
+                f"{f(s.speedup_vs_ar)} | {f(s.speedup_vs_hf)} | {f(s.speedup_vs_llama)} | "
                 + " | ".join(stage(k) for k in ROUND_STAGES)
-                + f" | {s.mismatches} |"
+                + (f" | {s.mismatches} |" if s.same_as_ar is None else f" | – ({s.same_as_ar}/{s.samples} same tokens as ar) |")
                 + ((f" {f(s.speedup_vs_ar_float32)} | " + (f"{s.matches_ar_float32}/{s.samples} |" if s.config.dtype != "float32" else "– |"))
                    if crossed else "")
             )

@@ -7,6 +7,7 @@ mismatch is reported loudly (and stored in the record).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import sys
@@ -22,6 +23,7 @@ from ..costmodel import CostModel
 from ..errors import require
 from ..settings import GenerationSettings
 from ..trees import BUILDERS, TreeSettings, make_builder
+from . import llama_cpp
 from .datasets import Sample
 from .replay import enough_greedy, replay
 
@@ -30,7 +32,8 @@ try:  # POSIX: lets shards of one run (``dartree bench --shard``) append to the 
 except ImportError:  # pragma: no cover - Windows runs one shard per folder
     fcntl = None
 
-PEERS = ("hf-generate", "hf-prompt-lookup")
+HF_PEERS = ("hf-generate", "hf-prompt-lookup")
+PEERS = (*HF_PEERS, *llama_cpp.LLAMA_PEERS)  # other engines decoding the same target, timed beside ours
 EXACT_DTYPES = ("float32", "float64")  # where speculation reproduces ar token for token (tested); 16-bit ones are measured
 
 
@@ -170,7 +173,7 @@ def plain_hf_model(pipe) -> torch.nn.Module:
 
 
 @torch.no_grad()
-def _run_hf(pipe, sample: Sample, cfg: RunConfig, max_new_tokens: int) -> list[dict]:
+def run_hf_peer(pipe, sample: Sample, cfg: RunConfig, max_new_tokens: int) -> list[dict]:
     """Hugging Face generate (greedy) or prompt-lookup decoding on the target as Hugging Face loads
     it (``plain_hf_model``), timed the same way (prefill excluded)."""
     model, stop = plain_hf_model(pipe), sorted(pipe.default_stop_ids())
@@ -195,11 +198,35 @@ def _run_hf(pipe, sample: Sample, cfg: RunConfig, max_new_tokens: int) -> list[d
     return turns
 
 
+def run_llama_peer(server: llama_cpp.LlamaServer, pipe, sample: Sample, max_new_tokens: int) -> list[dict]:
+    """A llama.cpp peer on the same prompt token ids as ours (every turn), greedy, timed by llama.cpp
+    itself (prompt processing excluded)."""
+    messages, turns = [], []
+    for turn in sample.turns:
+        messages.append({"role": "user", "content": turn})
+        ids = pipe.encode(messages=list(messages)).tolist()
+        out = server.complete(ids, max_new_tokens)
+        turns.append({"token_ids": out["token_ids"], "new_tokens": out["new_tokens"], "rounds": None, "acceptance_lengths": [],
+                      "decode_seconds": max(out["decode_seconds"], 1e-9), "stage_ms": {}, "total_seconds": out["total_seconds"]})
+        messages.append({"role": "assistant", "content": pipe.tokenizer.decode(out["token_ids"], skip_special_tokens=True)})
+    return turns
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def run(pipes, samples: list[Sample], grid: list[RunConfig], out_path: Path, max_new_tokens: int, seed: int = 0) -> list[dict]:
     """Decode every (sample, configuration); ``pipes``: one Pipeline, or {dtype name: Pipeline} for
     a grid that crosses dtypes. At T = 0 each run is checked against ``ar`` of its own dtype
     (``matches_ar``) and, in another dtype, also against float32 ``ar`` (``matches_ar_float32``:
-    bf16 trees round differently from one-token steps, so this is measured, not promised)."""
+    bf16 trees round differently from one-token steps, so this is measured, not promised). A peer's
+    tokens are compared too (``same_as_ar``: measured, never counted as a mismatch of ours). The
+    llama.cpp peers' servers start on first use and stop at the end."""
     if not isinstance(pipes, dict):
         pipes = {c.dtype: pipes for c in grid}
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -209,11 +236,17 @@ def run(pipes, samples: list[Sample], grid: list[RunConfig], out_path: Path, max
                  for r in records if r["method"] == "ar"}
     mismatches = rounded = 0
     todo = [(s, c) for s in samples for c in grid if (s.dataset, s.sample_id, c.key) not in done]
-    with open(out_path, "a") as sink:
+    servers: dict[str, llama_cpp.LlamaServer] = {}
+    with open(out_path, "a") as sink, contextlib.ExitStack() as stopping:
         for sample, cfg in tqdm(todo, desc="bench", unit="run"):
             pipe = pipes[cfg.dtype]
-            if cfg.method in PEERS:
-                turns = _run_hf(pipe, sample, cfg, max_new_tokens)
+            if cfg.method in llama_cpp.LLAMA_PEERS:
+                if cfg.method not in servers:
+                    servers[cfg.method] = llama_cpp.start_peer(cfg.method, torch.get_num_threads(), _free_port())
+                    stopping.callback(servers[cfg.method].close)
+                turns = run_llama_peer(servers[cfg.method], pipe, sample, max_new_tokens)
+            elif cfg.method in HF_PEERS:
+                turns = run_hf_peer(pipe, sample, cfg, max_new_tokens)
             else:
                 turns = _run_ours(pipe, sample, cfg, max_new_tokens, seed)
             rec = {"dataset": sample.dataset, "sample_id": sample.sample_id, "key": cfg.key, **asdict(cfg),
@@ -225,6 +258,9 @@ def run(pipes, samples: list[Sample], grid: list[RunConfig], out_path: Path, max
                 rec["matches_ar_float32"] = ref32 == [t["token_ids"] for t in turns]
             if cfg.method == "ar":
                 ar_tokens[(sample.dataset, sample.sample_id, cfg.temperature, cfg.dtype)] = [t["token_ids"] for t in turns]
+            elif cfg.method in PEERS:
+                if cfg.temperature == 0 and ref is not None:
+                    rec["same_as_ar"] = ref == [t["token_ids"] for t in turns]
             elif cfg.temperature == 0 and ref is not None:
                 rec["matches_ar"] = ref == [t["token_ids"] for t in turns]
                 if not rec["matches_ar"] and cfg.dtype in EXACT_DTYPES:

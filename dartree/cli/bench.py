@@ -8,6 +8,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from ..bench import llama_cpp
 from ..bench.datasets import DATASETS, load_samples, select
 from ..bench.report import build_report
 from ..bench.runner import PEERS, build_grid, run, run_replay
@@ -99,7 +100,10 @@ def add_bench_parser(sub) -> None:
     )
     p.add_argument("--out", default="runs/bench", help="output folder (default runs/bench)")
     p.add_argument("--datasets", default="gsm8k,humaneval", help=f"comma list from {','.join(DATASETS)} or 'all'")
-    p.add_argument("--methods", default=DEFAULT_METHODS, help="comma list of methods and peers (hf-generate, hf-prompt-lookup)")
+    p.add_argument("--methods", default=DEFAULT_METHODS,
+                   help=f"comma list of methods and peers ({', '.join(PEERS)}; the llama.cpp peers need "
+                        f"`{llama_cpp.BUILD_HINT.split('#')[0].strip()}` once, and are left out of the default list where it was not run) "
+                        "(default: all)")
     p.add_argument("--temperatures", default="0", help="comma list, e.g. 0,1 (default 0)")
     p.add_argument("--budgets", default="16,32,64",
                    help="tree budgets for the tree methods, integers or 'auto' (chosen per round from the cost model) (default 16,32,64)")
@@ -159,6 +163,22 @@ def parse_shard(text: str | None) -> tuple[int, int]:
     return index - 1, count
 
 
+def bench_methods(text: str, replay: bool = False) -> list[str]:
+    """The methods and peers of ``--methods``, checked. The llama.cpp peers need llama.cpp built
+    (``scripts/build_llama_cpp.sh``): asked for by name where it is not, that is an error that says
+    how to build it; in the default list they are left out with a note (replay runs no peer)."""
+    methods = [m.strip() for m in text.split(",") if m.strip()]
+    for m in methods:
+        builder_class(m, others=PEERS)
+    absent = llama_cpp.missing()
+    if absent and any(m in llama_cpp.LLAMA_PEERS for m in methods) and not replay:
+        if text != DEFAULT_METHODS:
+            raise DartreeError(absent)
+        methods = [m for m in methods if m not in llama_cpp.LLAMA_PEERS]
+        print(f"leaving out the llama.cpp peers: {absent}", file=sys.stderr)
+    return methods
+
+
 def run_bench(args) -> int:
     if args.report:
         path = build_report(args.report)
@@ -170,9 +190,7 @@ def run_bench(args) -> int:
     for d in datasets:
         if d not in DATASETS:
             raise DartreeError(f"unknown dataset {d!r}; choose from {', '.join(DATASETS)} or 'all'")
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    for m in methods:
-        builder_class(m, others=PEERS)
+    methods = bench_methods(args.methods, args.replay)
     temps = _floats(args.temperatures, "temperatures")
     budgets, widths, betas = _budgets(args.budgets), _ints(args.widths, "widths"), _floats(args.betas, "betas")
     try:
