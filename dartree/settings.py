@@ -63,7 +63,7 @@ class GenerationSettings:
 
     def used_tree_settings(self) -> dict:
         """The tree settings this method actually reads (what a record needs to be reproduced)."""
-        return {name: getattr(self.tree, name) for name in BUILDERS[self.method].reads}
+        return {name: getattr(self.tree, name) for name in BUILDERS[self.method].settings_read(self.tree.budget)}
 
     def to_dict(self) -> dict:
         out = asdict(self)

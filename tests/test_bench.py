@@ -1,5 +1,6 @@
 """The benchmark harness on a tiny model: grid, resume, T=0 comparison with ar, peers, report."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -10,7 +11,9 @@ import torch
 import dartree
 from dartree.bench.datasets import DATASETS, load_samples, select
 from dartree.bench.report import build_report, summarise
-from dartree.bench.runner import build_grid, read_records, run, run_replay
+from dartree.bench.runner import RunConfig, build_grid, read_records, run, run_replay
+from dartree.errors import DartreeError
+from dartree.trees import TreeSettings
 from dartree.cli import main
 
 
@@ -33,11 +36,20 @@ def test_selection_is_seeded_and_limited():
 
 
 def test_grid_puts_ar_first_and_settings_where_used():
-    grid = build_grid(["dartree", "dflash", "ddtree", "hf-generate"], [0.0, 1.0], [8, 16], widths=[4, 12])
+    grid = build_grid(["dartree", "dflash", "ddtree", "hf-generate"], [0.0, 1.0], [8, 16, "auto"], width=[4, 12])
     assert grid[0].method == "ar"
     assert {g.key for g in grid if g.method == "dartree" and g.temperature == 0} == {
         "dartree|T=0|B=8|W=4|K=64|beta=-0.2", "dartree|T=0|B=8|W=12|K=64|beta=-0.2",
-        "dartree|T=0|B=16|W=4|K=64|beta=-0.2", "dartree|T=0|B=16|W=12|K=64|beta=-0.2"}
+        "dartree|T=0|B=16|W=4|K=64|beta=-0.2", "dartree|T=0|B=16|W=12|K=64|beta=-0.2",
+        "dartree|T=0|B=auto|W=4|K=64|beta=-0.2|max=64", "dartree|T=0|B=auto|W=12|K=64|beta=-0.2|max=64"}
+    # the settings a configuration carries are those its method reads, max_budget only with budget auto
+    assert {g.key for g in grid if g.method == "ddtree" and g.temperature == 0} == {"ddtree|T=0|B=8", "ddtree|T=0|B=16", "ddtree|T=0|B=auto|max=64"}
+    auto = next(g for g in grid if g.key == "dartree|T=0|B=auto|W=12|K=64|beta=-0.2|max=64")
+    assert auto.tree_settings() == TreeSettings(budget="auto", width=12) and RunConfig.from_record(
+        {**dataclasses.asdict(auto), "key": auto.key}) == auto
+    assert build_grid(["dartree"], [0.0], [32], max_budget=[128]) == build_grid(["dartree"], [0.0], [32])  # not read at B=32
+    with pytest.raises(DartreeError, match="unknown tree setting"):
+        build_grid(["dartree"], [0.0], [4], widths=[4])
     assert [g.key for g in grid if g.method == "dflash"] == ["dflash|T=0", "dflash|T=1"]
     assert [g.temperature for g in grid if g.method == "hf-generate"] == [0.0]
 
@@ -186,7 +198,7 @@ def test_replay_with_a_cost_model_reports_modeled_speedups(tiny_dirs, tmp_path, 
     assert main(common + ["--budgets", "auto,4", "--cost-model", str(cost_file), "--out", str(out)]) == 0
     records = read_records(out / "records.jsonl")
     assert {r["key"] for r in records} == {"dflash|T=0|float64", "dartree|T=0|B=4|W=12|K=64|beta=-0.2|float64",
-                                           "dartree|T=0|B=auto|W=12|K=64|beta=-0.2|float64"}
+                                           "dartree|T=0|B=auto|W=12|K=64|beta=-0.2|max=64|float64"}
     for r in records:
         assert r["modeled_step_ms"] == 10.0 and r["cost_model"]["dtype"] == "bfloat16"
         for t in r["turns"]:  # at least a plain step's time per committed token's round, at most every round drafted at B=64

@@ -12,7 +12,8 @@ import hashlib
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass
+import itertools
+from dataclasses import asdict, field, make_dataclass
 from pathlib import Path
 
 import torch
@@ -37,33 +38,22 @@ PEERS = (*HF_PEERS, *llama_cpp.LLAMA_PEERS)  # other engines decoding the same t
 EXACT_DTYPES = ("float32", "float64")  # where speculation reproduces ar token for token (tested); 16-bit ones are measured
 
 
-@dataclass(frozen=True)
-class RunConfig:
-    method: str
-    temperature: float = 0.0
-    budget: int | None = None
-    width: int | None = None
-    top_k: int | None = None
-    beta: float | None = None
-    dtype: str = "float32"  # the target's and drafter's dtype; one run may cross several (``--dtype float32,bfloat16``)
+class _RunConfigMethods:
+    """What a bench configuration does (``RunConfig`` below gets its fields from the declarations)."""
 
     @property
     def key(self) -> str:
-        """A readable name of the configuration, e.g. ``dartree|T=0|B=16|W=12|K=64|beta=-0.2`` (and
-        ``|bfloat16`` for a dtype other than float32, so that float32 records keep their keys)."""
+        """A readable name of the configuration, e.g. ``dartree|T=0|B=16|W=12|K=64|beta=-0.2``: the
+        method, the temperature, each tree setting it sets by its short name (``TreeSettings``'
+        declarations) and ``|bfloat16`` for a dtype other than float32 (so float32 records keep their keys)."""
         parts = [self.method, f"T={self.temperature:g}"]
-        if self.budget is not None:
-            parts.append(f"B={self.budget}")
-        if self.width is not None:
-            parts.append(f"W={self.width}")
-        if self.top_k is not None:
-            parts.append(f"K={self.top_k}")
-        if self.beta is not None:
-            parts.append(f"beta={self.beta:g}")
+        for setting in TreeSettings.declarations():
+            value = getattr(self, setting.name)
+            if value is not None:
+                parts.append(f"{setting.metadata['key']}={value:g}" if isinstance(value, float) else f"{setting.metadata['key']}={value}")
         if self.dtype != "float32":
             parts.append(self.dtype)
         return "|".join(parts)
-
 
     @property
     def label(self) -> str:
@@ -82,15 +72,30 @@ class RunConfig:
 
     def tree_settings(self) -> TreeSettings:
         """The full TreeSettings of this configuration (defaults where the method reads nothing)."""
-        names = set(TreeSettings.__dataclass_fields__) & set(RunConfig.__dataclass_fields__)
-        return TreeSettings(**{k: getattr(self, k) for k in names if getattr(self, k) is not None})
+        return TreeSettings(**{s.name: getattr(self, s.name) for s in TreeSettings.declarations() if getattr(self, s.name) is not None})
 
 
-def build_grid(methods, temperatures, budgets, widths=(TreeSettings.width,), betas=(TreeSettings.beta,),
-               top_k=TreeSettings.top_k, dtypes=("float32",)) -> list[RunConfig]:
+# One bench configuration: the method, the temperature, every tree setting ``TreeSettings`` declares
+# (None where the method does not read it) and the dtype (one run may cross several: ``--dtype
+# float32,bfloat16``). Its fields, its key and its records all follow the declarations.
+RunConfig = make_dataclass(
+    "RunConfig",
+    [("method", str), ("temperature", float, field(default=0.0)),
+     *[(s.name, "int | float | str | None", field(default=None)) for s in TreeSettings.declarations()],
+     ("dtype", str, field(default="float32"))],
+    bases=(_RunConfigMethods,), frozen=True, namespace={"__module__": __name__})
+
+
+def build_grid(methods, temperatures, budgets=(TreeSettings.budget,), dtypes=("float32",), **values) -> list[RunConfig]:
     """ar first (the reference), then every method; the tree settings of each configuration are
-    exactly those its method reads (``TreeBuilder.reads``), crossed over the values given; the whole
-    grid once per dtype (each dtype has its own ar)."""
+    exactly those its method reads (``TreeBuilder.settings_read``), crossed over the values given
+    (``budgets``, and any other setting by its name, e.g. ``width=[4, 12]``; the default otherwise);
+    the whole grid once per dtype (each dtype has its own ar)."""
+    names = [s.name for s in TreeSettings.declarations()]
+    unknown = set(values) - set(names)
+    require(not unknown, f"unknown tree setting(s) {sorted(unknown)}; known: {', '.join(names)}")
+    choices = {s.name: list(values.get(s.name, (s.default,))) for s in TreeSettings.declarations()}
+    choices["budget"] = list(budgets)
     grid = []
     for t, dtype in ((t, d) for d in dtypes for t in temperatures):
         ordered = ["ar"] + [m for m in methods if m != "ar"]
@@ -99,15 +104,11 @@ def build_grid(methods, temperatures, budgets, widths=(TreeSettings.width,), bet
                 if t == 0:
                     grid.append(RunConfig(m, t, dtype=dtype))
                 continue
-            reads = BUILDERS[m].reads
-            values = {"budget": budgets if "budget" in reads else (None,),
-                      "width": widths if "width" in reads else (None,),
-                      "top_k": (top_k,) if "top_k" in reads else (None,),
-                      "beta": betas if "beta" in reads else (None,)}
-            for b in values["budget"]:
-                for w in values["width"]:
-                    for beta in values["beta"]:
-                        grid.append(RunConfig(m, t, b, w, values["top_k"][0], beta, dtype))
+            builder = BUILDERS[m]
+            for budget in choices["budget"] if "budget" in builder.reads else (None,):
+                crossed = [n for n in builder.settings_read(budget) if n != "budget"]
+                for combo in itertools.product(*(choices[n] for n in crossed)):
+                    grid.append(RunConfig(m, t, dtype=dtype, **({"budget": budget} if budget is not None else {}), **dict(zip(crossed, combo))))
     return list(dict.fromkeys(grid))
 
 

@@ -34,7 +34,7 @@ def add_tree_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("tree settings")
     for setting in TreeSettings.declarations():
         name, meta = setting.name, setting.metadata
-        readers = ", ".join(m for m, b in BUILDERS.items() if name in b.reads or (name == "max_budget" and b.ranked))
+        readers = ", ".join(m for m, b in BUILDERS.items() if name in b.settings_read())
         g.add_argument(*meta["flags"], dest=name, type=_argument_type(meta["parse"], name), default=setting.default,
                        help=f"{meta['help']} ({readers}; default {setting.default})")
 

@@ -18,7 +18,7 @@ from ..errors import DartreeError
 from ..hardware import set_threads
 from ..loading import parse_dtype
 from ..pipeline import load as load_pipeline
-from ..trees import METHODS, TreeSettings, builder_class, parse_budget
+from ..trees import METHODS, TreeSettings, builder_class
 from .args import add_threads_arg, add_tree_args, tree_settings
 
 DEFAULT_METHODS = ",".join(METHODS + PEERS)
@@ -105,11 +105,7 @@ def add_bench_parser(sub) -> None:
                         f"`{llama_cpp.BUILD_HINT.split('#')[0].strip()}` once, and are left out of the default list where it was not run) "
                         "(default: all)")
     p.add_argument("--temperatures", default="0", help="comma list, e.g. 0,1 (default 0)")
-    p.add_argument("--budgets", default="16,32,64",
-                   help="tree budgets for the tree methods, integers or 'auto' (chosen per round from the cost model) (default 16,32,64)")
-    p.add_argument("--widths", default=str(TreeSettings.width), help="dartree widths W, e.g. 1,2,4,8,12,16 for the ablation")
-    p.add_argument("--betas", default=str(TreeSettings.beta), help="depth bonuses for dartree/heap, each <= 0")
-    p.add_argument("--top-k", type=int, default=TreeSettings.top_k, help=f"candidate tokens per depth K (default {TreeSettings.top_k})")
+    add_tree_list_args(p)
     p.add_argument("--limit", type=int, default=20, help="prompts per dataset (seeded selection; default 20)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
@@ -136,18 +132,38 @@ def _floats(text, name):
         raise DartreeError(f"--{name} takes comma-separated numbers, got {text!r}") from None
 
 
-def _budgets(text):
-    try:
-        return [parse_budget(x.strip()) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise DartreeError(f"--budgets takes comma-separated integers or 'auto', got {text!r}") from None
+# The bench crosses each tree setting over a comma list (``--budgets 16,32,64``, ``--widths``,
+# ``--top-ks``, ``--betas``, ``--max-budgets``), one flag per ``TreeSettings`` declaration; the
+# budgets' default is the fixed-size sweep, every other list's the setting's own default.
+BENCH_LIST_DEFAULTS = {"budget": "16,32,64"}
 
 
-def _ints(text, name):
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise DartreeError(f"--{name} takes comma-separated integers, got {text!r}") from None
+def _list_flag(setting) -> str:
+    return setting.metadata["flags"][0] + "s"
+
+
+def add_tree_list_args(p) -> None:
+    g = p.add_argument_group("tree settings (comma lists; the grid crosses them for the methods that read each)")
+    for setting in TreeSettings.declarations():
+        default = BENCH_LIST_DEFAULTS.get(setting.name, str(setting.default))
+        flags = [_list_flag(setting)] + (["--top-k"] if setting.name == "top_k" else [])  # --top-k: the older spelling
+        g.add_argument(*flags, dest=f"{setting.name}_list", default=default,
+                       help=f"{setting.metadata['help']} (default {default})")
+
+
+def tree_lists(args) -> dict[str, list]:
+    """Each tree setting's list of values from ``add_tree_list_args``' flags, parsed by its declaration."""
+    out = {}
+    for setting in TreeSettings.declarations():
+        text = str(getattr(args, f"{setting.name}_list"))
+        try:
+            out[setting.name] = [setting.metadata["parse"](x.strip()) for x in text.split(",") if x.strip()]
+        except ValueError:
+            kind = "integers or 'auto'" if setting.name == "budget" else f"{setting.metadata['parse'].__name__} values"
+            raise DartreeError(f"{_list_flag(setting)} takes comma-separated {kind}, got {text!r}") from None
+        if not out[setting.name]:
+            raise DartreeError(f"{_list_flag(setting)} needs at least one value")
+    return out
 
 
 def parse_shard(text: str | None) -> tuple[int, int]:
@@ -192,14 +208,15 @@ def run_bench(args) -> int:
             raise DartreeError(f"unknown dataset {d!r}; choose from {', '.join(DATASETS)} or 'all'")
     methods = bench_methods(args.methods, args.replay)
     temps = _floats(args.temperatures, "temperatures")
-    budgets, widths, betas = _budgets(args.budgets), _ints(args.widths, "widths"), _floats(args.betas, "betas")
+    lists = tree_lists(args)
+    budgets = lists.pop("budget")
     try:
         dtypes = list(dict.fromkeys(str(parse_dtype(d.strip())).removeprefix("torch.") for d in args.dtype.split(",") if d.strip()))
     except (DartreeError, ValueError, TypeError) as exc:
         raise DartreeError(f"--dtype: {exc}") from None
     if not dtypes:
         raise DartreeError("--dtype needs at least one dtype")
-    grid = build_grid(methods, temps, budgets, widths, betas, args.top_k, dtypes=dtypes)
+    grid = build_grid(methods, temps, budgets, dtypes=dtypes, **lists)
     for c in grid:  # the same checks as generate's, before the model loads
         if c.method not in PEERS:
             c.settings(args.max_new_tokens, args.seed).validate()

@@ -15,12 +15,13 @@ def parse_budget(text: str) -> int | str:
     return text if text == "auto" else int(text)
 
 
-def _setting(default, help: str, flags: tuple[str, ...], request: str, parse=int):
+def _setting(default, help: str, flags: tuple[str, ...], request: str, key: str, parse=int):
     """One tree setting's declaration: its default, its help, its command-line flags, its name as a
-    request field of ``dartree serve`` and how to read it from text. The CLI, the server and the
-    bench derive their arguments and fields from these; the methods that read a setting come from
-    the registry (``TreeBuilder.reads``)."""
-    return field(default=default, metadata={"help": help, "flags": flags, "request": request, "parse": parse})
+    request field of ``dartree serve``, its short name in a bench configuration's key (``B=16``) and
+    how to read it from text. The CLI, the server, the bench grid and its records derive their
+    arguments and fields from these; the methods that read a setting come from the registry
+    (``TreeBuilder.settings_read``)."""
+    return field(default=default, metadata={"help": help, "flags": flags, "request": request, "key": key, "parse": parse})
 
 
 @dataclass(frozen=True)
@@ -30,12 +31,13 @@ class TreeSettings:
 
     budget: int | str = _setting(  # B; "auto": chosen every round (budget.py)
         "auto", "tree nodes verified per round, root excluded, or 'auto' (chosen every round from the measured cost model)",
-        ("--budget", "-B"), "budget", parse_budget)
-    width: int = _setting(12, "branches kept per depth", ("--width", "-W"), "width")  # W
+        ("--budget", "-B"), "budget", "B", parse_budget)
+    width: int = _setting(12, "branches kept per depth", ("--width", "-W"), "width", "W")  # W
     # K; a request's "top_k" is sampling top-k, as in vLLM, so DARTree's K is "tree_top_k" there
-    top_k: int = _setting(64, "candidate tokens per depth", ("--top-k", "-K"), "tree_top_k")
-    beta: float = _setting(-0.2, "depth bonus of the final top-B, must be <= 0", ("--beta",), "beta", float)
-    max_budget: int = _setting(64, "with --budget auto: the largest tree built each round", ("--max-budget",), "max_budget")
+    top_k: int = _setting(64, "candidate tokens per depth", ("--top-k", "-K"), "tree_top_k", "K")
+    beta: float = _setting(-0.2, "depth bonus of the final top-B, must be <= 0", ("--beta",), "beta", "beta", float)
+    max_budget: int = _setting(64, "with --budget auto: the largest tree built each round", ("--max-budget",), "max_budget",
+                               "max")
 
     @classmethod
     def declarations(cls):
@@ -96,6 +98,16 @@ class TreeBuilder:
 
     def __init__(self, settings: TreeSettings):
         self.settings = settings
+
+    @classmethod
+    def settings_read(cls, budget: int | str | None = None) -> tuple[str, ...]:
+        """The TreeSettings fields this method reads: ``reads``, and ``max_budget`` for a ranked
+        method (budget "auto" builds at most that many nodes; with ``budget`` given, only when it is
+        "auto"). In declaration order."""
+        names = set(cls.reads)
+        if cls.ranked and budget in (None, "auto"):
+            names.add("max_budget")
+        return tuple(s.name for s in TreeSettings.declarations() if s.name in names)
 
     @property
     def cut_per_round(self) -> bool:
