@@ -206,3 +206,28 @@ def test_products_use_every_thread_and_keep_their_bits_on_another_thread():
         assert torch.equal(ext.product(x, packed, 960), one)  # and the main thread computes again afterwards
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_drafter_linear_on_the_lean_products_equals_f_linear(dtype):
+    """``cpu_products(lean=True)`` (the drafter's products): up to LEAN_MAX_ROWS rows on the lean
+    kernels, beyond on the other path, every count equal to F.linear within the sums' rounding, the
+    bias added, and a weight changed in place packed again."""
+    from dartree.products import LEAN_MAX_ROWS, CpuLinear, cpu_products
+
+    gen = torch.Generator().manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(40, 33), torch.nn.Linear(33, 17, bias=False)).to(dtype)
+    cpu_products(model, lean=True)
+    assert all(isinstance(m, CpuLinear) and m.lean_products for m in model)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    with torch.no_grad():
+        for rows in (1, 2, 3, 16, LEAN_MAX_ROWS, LEAN_MAX_ROWS + 1, 100):
+            x = torch.randn(rows, 40, generator=gen, dtype=dtype)
+            want = torch.nn.functional.linear(torch.nn.functional.linear(x, model[0].weight, model[0].bias), model[1].weight)
+            torch.testing.assert_close(model(x), want, **tol)
+        assert model[0]._lean_packed is not None  # the lean path ran
+        model[0].weight.mul_(2.0)
+        x = torch.randn(5, 40, generator=gen, dtype=dtype)
+        torch.testing.assert_close(model[0](x), torch.nn.functional.linear(x, model[0].weight, model[0].bias), **tol)
+        x3 = torch.randn(2, 4, 40, generator=gen, dtype=dtype)  # leading dimensions kept
+        torch.testing.assert_close(model[0](x3), torch.nn.functional.linear(x3, model[0].weight, model[0].bias), **tol)
