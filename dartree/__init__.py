@@ -1,5 +1,6 @@
 """dartree: lossless speculative decoding with block-diffusion drafters and autoregressive draft trees."""
 
+from .costmodel import CostModel
 from .engine import GenerationStats
 from .errors import CheckpointError, DartreeError
 from .pipeline import GenerationResult, Pipeline, load
@@ -8,4 +9,4 @@ from .trees import METHODS, TreeSettings
 
 __version__ = "0.1.0"
 
-__all__ = ["load", "Pipeline", "GenerationResult", "GenerationStats", "METHODS", "GenerationSettings", "TreeSettings", "DartreeError", "CheckpointError"]
+__all__ = ["load", "Pipeline", "CostModel", "GenerationResult", "GenerationStats", "METHODS", "GenerationSettings", "TreeSettings", "DartreeError", "CheckpointError"]

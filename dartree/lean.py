@@ -29,7 +29,7 @@ from torch import nn
 
 from . import kernels
 from .errors import DartreeError
-from .loading import check_tapped_layers, decoder_layers
+from .taps import check_tapped_layers, decoder_layers
 
 FAMILIES = ("llama", "qwen3")  # config.model_type values the lean forward implements
 PREFILL_CHUNK = 256  # prompt rows per forward: bounds the visibility matrix (rows are invariant, so chunks change nothing)

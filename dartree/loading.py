@@ -1,6 +1,6 @@
-"""Loading: checkpoints (targets and drafters), dtypes and devices, the target/drafter pair check,
-and the target layout (decoder layers, final norm, hooks on them). Inference, training and the
-benchmark all load through here.
+"""Loading: checkpoints (targets and drafters), dtypes and devices, the target/drafter pair check.
+Inference, training and the benchmark all load through here. (The target's attention is in
+``attention.py``, its layout and layer taps in ``taps.py``.)
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from torch import nn
 from .drafter import CONFIG_NAME, WEIGHTS_NAME, DrafterConfig, DrafterModel
 from .errors import CheckpointError, DartreeError, require
 from .hardware import default_dtype
+from .attention import register_attention
 from .products import cpu_products
 
 # ---------------------------------------------------------------- dtypes and devices
@@ -66,54 +67,6 @@ def resolve_device(device) -> torch.device:
 
 # ---------------------------------------------------------------- the target
 
-ATTENTION = "dartree_sdpa"
-
-
-def attention_dtype(dtype: torch.dtype, device) -> torch.dtype:
-    """The dtype attention runs in for a model in ``dtype`` on ``device`` (see ``_sdpa_fp32_on_cpu``);
-    KV caches store K/V in it."""
-    if torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16):
-        return torch.float32
-    return dtype
-
-
-def kv_cache_dtype(model: torch.nn.Module) -> torch.dtype:
-    """The dtype a KV cache for ``model`` stores K/V in: its attention's dtype when it runs the
-    attention registered here (K/V then need no cast at each step), else the model's own dtype
-    (a plain SDPA model wants K/V in the query's dtype)."""
-    param = next(model.parameters())
-    if getattr(model.config, "_attn_implementation", None) == ATTENTION:
-        return attention_dtype(param.dtype, param.device)
-    return param.dtype
-
-
-def _sdpa_fp32_on_cpu(module, query, key, value, attention_mask, **kwargs):
-    """Hugging Face's SDPA attention, run in float32 when a CPU model is in bf16/fp16: torch's CPU
-    flash-attention kernel is ~2.5x slower per call in bf16 than in fp32 (measured 277 vs 114 us per
-    layer for one query over 256 keys, SmolLM2-135M, one thread: 8 of 55 ms of a bf16 step), and
-    casting q/k/v up costs less than the difference. Elsewhere (and for fp32/fp64) it is plain SDPA."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    dtype = query.dtype
-    work = attention_dtype(dtype, query.device)
-    if work == dtype:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    if attention_mask is not None and attention_mask.is_floating_point():
-        attention_mask = attention_mask.to(work)
-    # K/V from a cache that stores them in ``work`` already (``target.GrowingLayer``) cast for free.
-    out, weights = sdpa_attention_forward(module, query.to(work), key.to(work), value.to(work), attention_mask, **kwargs)
-    return out.to(dtype), weights
-
-
-def _register_attention() -> str:
-    from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import sdpa_mask
-
-    AttentionInterface.register(ATTENTION, _sdpa_fp32_on_cpu)
-    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
-    return ATTENTION
-
-
 def load_target(directory: str | Path, dtype: torch.dtype, device) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
@@ -125,7 +78,7 @@ def load_target(directory: str | Path, dtype: torch.dtype, device) -> torch.nn.M
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{directory / 'config.json'} is not valid JSON ({exc})") from None
     try:
-        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, attn_implementation=_register_attention())
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, attn_implementation=register_attention())
     except OSError as exc:  # missing weight files
         raise CheckpointError(f"cannot load the target from {directory}: {exc}") from None
     except Exception as exc:  # safetensors header errors and the like
@@ -144,64 +97,6 @@ def load_tokenizer(directory: str | Path):
     if not any((directory / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         return None
     return AutoTokenizer.from_pretrained(directory)
-
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    base = getattr(model, "model", None)
-    layers = getattr(base, "layers", None)
-    require(
-        isinstance(layers, nn.ModuleList),
-        f"{type(model).__name__} does not expose model.layers; dartree supports decoder-only HF causal LMs "
-        "(Llama, Qwen3 and the like)",
-    )
-    return layers
-
-
-def final_norm(model: nn.Module) -> nn.Module:
-    norm = getattr(getattr(model, "model", None), "norm", None)
-    require(isinstance(norm, nn.Module), f"{type(model).__name__} does not expose model.norm (the final norm)")
-    return norm
-
-
-def check_tapped_layers(layers, n_layers: int) -> None:
-    """A clear error for a tapped layer outside a target of ``n_layers`` decoder layers."""
-    for i in layers:
-        require(0 <= int(i) < n_layers,
-                f"tapped target layer {i} is out of range: the target has {n_layers} decoder layers (0..{n_layers - 1})")
-
-
-class LayerTap:
-    """Forward hooks that keep the output of chosen decoder layers (equal to HF ``hidden_states[i+1]``)
-    and, optionally, of the final norm, from the most recent forward."""
-
-    def __init__(self, model: nn.Module, layers: list[int], final: bool = False):
-        blocks = decoder_layers(model)
-        check_tapped_layers(layers, len(blocks))
-        self.layers = [int(i) for i in layers]
-        self.enabled = True
-        self.outputs: dict[str, torch.Tensor] = {}
-        self._hooks = [blocks[i].register_forward_hook(self._hook(str(i))) for i in self.layers]
-        if final:
-            self._hooks.append(final_norm(model).register_forward_hook(self._hook("final")))
-
-    def _hook(self, key: str):
-        def hook(_module, _inputs, output):
-            if self.enabled:
-                self.outputs[key] = output[0] if isinstance(output, tuple) else output
-
-        return hook
-
-    def pop(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The tapped layers concatenated in tap order [..., m*H], and the final norm's output (or None)."""
-        feats = torch.cat([self.outputs[str(i)] for i in self.layers], dim=-1)
-        final = self.outputs.get("final")
-        self.outputs.clear()
-        return feats, final
-
-    def close(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
 
 
 # ---------------------------------------------------------------- drafters

@@ -50,9 +50,16 @@ class Pipeline:
     """A target, an optional drafter (with its correction head) and a tokenizer, ready to generate.
 
     ``target_model`` is the Hugging Face model; ``target`` the adapter every round drives (its lean
-    forward, or the Hugging Face one); ``proposer`` runs the drafter, ``head`` corrects its drafts."""
+    forward, or the Hugging Face one); ``proposer`` runs the drafter, ``head`` corrects its drafts.
 
-    def __init__(self, target_model, drafter: DrafterModel | None = None, tokenizer=None, lean: bool | str = "auto"):
+    ``cost_model``: what budget "auto" weighs each round with. "auto" (default): this machine's,
+    measured from the target, drafter and head once and cached (``calibration.load_or_measure``;
+    a few seconds the first time), here, so that no ``generate`` call ever starts a calibration;
+    a ``CostModel`` (e.g. another machine's, ``CostModel.from_json``) to use that one; None for none
+    (budget "auto" is then refused until ``calibrate`` or ``use_cost_model``)."""
+
+    def __init__(self, target_model, drafter: DrafterModel | None = None, tokenizer=None, lean: bool | str = "auto",
+                 cost_model: CostModel | str | None = "auto"):
         self.target_model = target_model
         self.drafter = drafter
         self.tokenizer = tokenizer
@@ -68,6 +75,12 @@ class Pipeline:
             self.head = drafter.head
             if self.head is not None:
                 self.head.bind(self.target.embed_tokens, drafter.d2t)
+        if cost_model == "auto":
+            if drafter is not None:
+                self.calibrate()
+        elif cost_model is not None:
+            require(isinstance(cost_model, CostModel), f"cost_model must be 'auto', a CostModel or None, got {cost_model!r}")
+            self.use_cost_model(cost_model)
 
     def check_request(self, ids: torch.Tensor, settings: GenerationSettings) -> None:
         """The checks a validated ``settings`` still needs against this pipeline: the method is
@@ -80,10 +93,22 @@ class Pipeline:
         block = self.drafter.config.block_size if self.drafter is not None else 1
         check_context_length(self.target_model.config, ids.numel(), settings.max_new_tokens, block)
 
+    def calibrate(self, remeasure: bool = False, progress: bool = True) -> CostModel:
+        """This machine's cost model of this pipeline's target, drafter and head, read from the cache
+        or measured (``remeasure``: measured again), and used from now on."""
+        return self.use_cost_model(load_or_measure(self.target, self.proposer, self.head, remeasure=remeasure, progress=progress))
+
+    def use_cost_model(self, cost: CostModel) -> CostModel:
+        """Weigh budget "auto" with ``cost`` from now on (the policies start afresh on it)."""
+        self._cost_model = cost
+        self._policies.clear()
+        return cost
+
     def cost_model(self) -> CostModel:
-        """This machine's measured cost model for this pipeline (cached under .cache/costmodel)."""
-        if self._cost_model is None:
-            self._cost_model = load_or_measure(self.target, self.proposer, self.head)
+        """The cost model budget "auto" uses (see ``cost_model=`` of the constructor)."""
+        require(self._cost_model is not None,
+                "budget 'auto' needs a cost model: this pipeline was made with cost_model=None; call pipe.calibrate() "
+                "(this machine's, measured once and cached) or pipe.use_cost_model(CostModel.from_json(...))")
         return self._cost_model
 
     def budget_policy(self, settings: GenerationSettings) -> BudgetPolicy:
@@ -219,7 +244,7 @@ class Pipeline:
 
 
 def load(target: str | Path | None = None, drafter: str | Path | None = None, dtype="auto", device="cpu",
-         threads: int | None = None, lean: bool | str = "auto") -> Pipeline:
+         threads: int | None = None, lean: bool | str = "auto", cost_model: CostModel | str | None = "auto") -> Pipeline:
     """Load a target (any HF causal LM directory) and a DFlash-format drafter.
 
     With no arguments: the bundled default model (SmolLM2-135M-Instruct) with the drafter shipped
@@ -228,6 +253,8 @@ def load(target: str | Path | None = None, drafter: str | Path | None = None, dt
     bfloat16 on a GPU. ``lean``: run the target on the lean forward (``lean.py``: Llama/Qwen3 on a
     CPU in float32/float64, row-invariant, so every method is token-exact by construction); "auto"
     (default) wherever it can run, True to insist, False for the Hugging Face forward.
+    ``cost_model``: as ``Pipeline``'s ("auto": this machine's, read from the cache or measured now,
+    with a drafter only).
     """
     device = resolve_device(device)
     dtype = parse_dtype(dtype, device)
@@ -242,4 +269,4 @@ def load(target: str | Path | None = None, drafter: str | Path | None = None, dt
         # fp32/fp64 CPU only; training loads drafters without it. The drafter's products are over a
         # draft block's few rows, where the lean kernels read the weights fastest.
         cpu_products(draft_model, lean=True)
-    return Pipeline(model, draft_model, load_tokenizer(target), lean=lean)
+    return Pipeline(model, draft_model, load_tokenizer(target), lean=lean, cost_model=cost_model)

@@ -14,7 +14,8 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from .errors import DartreeError
-from .loading import LayerTap, decoder_layers, kv_cache_dtype
+from .attention import kv_cache_dtype
+from .taps import LayerTap, decoder_layers
 
 
 class GrowingLayer(DynamicLayer):
@@ -24,7 +25,7 @@ class GrowingLayer(DynamicLayer):
     256-token context on one CPU thread. Compaction writes into the views and narrows them.
 
     ``storage_dtype`` keeps K/V in another dtype than the model computes them in: float32 for a
-    bf16/fp16 model on the CPU, whose attention runs in float32 (``loading.kv_cache_dtype``), so
+    bf16/fp16 model on the CPU, whose attention runs in float32 (``attention.kv_cache_dtype``), so
     the attention reads the cache as it is instead of casting all of it at every step (measured
     58 % of a 64-row bf16 decoding step at a 600-token context). bf16 -> fp32 is exact, so the
     outputs are the same."""

@@ -15,7 +15,7 @@ of the seven benchmarks, each prompt once, streamed, T = 0) through the OpenAI A
 Reported per (engine, C): throughput (completion tokens over the wall time from the first request
 to the last answer), p50/p95 latency, p50 time to first token, resident memory, and for dartree how
 many answers differ from the same request served at C = 1. Writes summary.json, records.jsonl,
-README.md (a table) and load.png.
+table.md (the table) and load.png.
 """
 
 from __future__ import annotations

@@ -6,9 +6,11 @@ from conftest import FAMILIES, VOCAB, hf_greedy, synthetic_cost
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import dartree
 from dartree.budget import BudgetPolicy
 from dartree.costmodel import CostModel
 from dartree.drafter import DraftOutput
+from dartree.settings import GenerationSettings
 from dartree.heads import DominoHead
 from dartree.trees import DraftTree, TreeSettings, make_builder
 
@@ -164,8 +166,7 @@ def test_auto_budget_is_lossless_with_switches_to_plain_steps(pipelines, family,
     """budget='auto' with synthetic cost models that make rounds cheap (large trees), middling, or
     costly (plain steps with probes in between): the output is greedy decoding, token for token."""
     pipe = pipelines[(family, "domino")]
-    pipe._cost_model = synthetic_cost(1.0, per_row)
-    pipe._policies.clear()
+    pipe.use_cost_model(synthetic_cost(1.0, per_row))
     got = pipe.generate(input_ids=prompt, method=method, max_new_tokens=24, budget="auto", stop_token_ids=[])
     assert got.token_ids == hf_greedy(pipe.target_model, prompt, 24)
     history = next(iter(pipe._policies.values())).history
@@ -179,8 +180,8 @@ def test_auto_budget_switches_mid_generation_and_stays_exact(pipelines):
     """Start with a cost model under which speculation pays, then make verification expensive in the
     middle of a generation: the policy moves to plain steps, and the output is still greedy."""
     pipe = pipelines[("llama", "domino")]
-    pipe._policies.clear()
-    pipe._cost_model = synthetic_cost(1.0, 0.0)
+    measured = pipe.cost_model()
+    pipe.use_cost_model(synthetic_cost(1.0, 0.0))
     calls = {"n": 0}
     policy_apply = BudgetPolicy.apply
 
@@ -193,8 +194,7 @@ def test_auto_budget_switches_mid_generation_and_stays_exact(pipelines):
     BudgetPolicy.apply = apply_then_get_expensive
     try:
         for prompt in ([1, 2, 3], [5], [0, 7, 7, 1]):
-            pipe._policies.clear()
-            pipe._cost_model = synthetic_cost(1.0, 0.0)
+            pipe.use_cost_model(synthetic_cost(1.0, 0.0))
             calls["n"] = 0
             got = pipe.generate(input_ids=prompt, method="dartree", max_new_tokens=30, budget="auto", stop_token_ids=[])
             history = next(iter(pipe._policies.values())).history
@@ -202,8 +202,7 @@ def test_auto_budget_switches_mid_generation_and_stays_exact(pipelines):
             assert max(history[:2]) > 1 and min(history[3:]) <= 0
     finally:
         BudgetPolicy.apply = policy_apply
-    pipe._cost_model = None
-    pipe._policies.clear()
+    pipe.use_cost_model(measured)
 
 
 def test_native_dtype_follows_the_cpu_flags(monkeypatch):
@@ -329,3 +328,29 @@ def test_in_a_batch_a_lost_probe_waits_longer_and_the_next_request_starts_backed
     after = alone_shared.fork()
     after.start_request()
     assert after.speculate()
+
+
+def test_the_cost_model_is_handed_to_the_pipeline_and_never_measured_inside_generate(model_dirs, monkeypatch):
+    """cost_model="auto" (the default) measures this machine's model when the pipeline is made; a
+    generate call never starts a calibration. With cost_model=None, budget "auto" is refused with
+    what to do, fixed budgets and ar run, and a handed-in model is used as given."""
+    from dartree import DartreeError
+
+    target, drafter = model_dirs[("llama", "target")], model_dirs[("llama", "domino")]
+    pipe = dartree.load(target, drafter, dtype=torch.float64)
+    measured = pipe.cost_model()
+    assert measured.verify_ms and measured.draft_ms > 0
+
+    def no_calibration(*args, **kwargs):
+        raise AssertionError("generate must not calibrate")
+
+    monkeypatch.setattr("dartree.pipeline.load_or_measure", no_calibration)
+    assert pipe.generate(input_ids=[1, 2], max_new_tokens=4, budget="auto", stop_token_ids=[]).token_ids
+    bare = dartree.load(target, drafter, dtype=torch.float64, cost_model=None)
+    with pytest.raises(DartreeError, match="calibrate"):
+        bare.generate(input_ids=[1, 2], max_new_tokens=4, budget="auto")
+    assert bare.generate(input_ids=[1, 2], max_new_tokens=4, budget=3, stop_token_ids=[]).token_ids == \
+        pipe.generate(input_ids=[1, 2], max_new_tokens=4, method="ar", stop_token_ids=[]).token_ids
+    given_model = synthetic_cost(1.0, 0.5, draft_ms=1.0)
+    assert bare.use_cost_model(given_model) is given_model
+    assert bare.budget_policy(GenerationSettings.from_kwargs(budget="auto").validate()).cost is given_model

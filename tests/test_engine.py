@@ -22,7 +22,7 @@ METHODS = available_methods(True, True)
 def lean_pipe(request, model_dirs):
     pipe = dartree.load(model_dirs[("llama", "target")], model_dirs[("llama", "domino")], dtype=request.param)
     assert isinstance(pipe.target, LeanTarget)
-    pipe._cost_model = synthetic_cost(1.0, 0.05, draft_ms=0.5, tree_ms=0.2)  # speculation pays, but not without limit
+    pipe.use_cost_model(synthetic_cost(1.0, 0.05, draft_ms=0.5, tree_ms=0.2))  # speculation pays, but not without limit
     return pipe
 
 

@@ -64,7 +64,7 @@ def test_replayed_auto_budget_makes_the_decoders_choices(pipelines, family, prom
     as decoding with the same cost model, and the modeled time is what those rounds cost on it."""
     pipe = pipelines[(family, "domino")]
     cost = synthetic_cost(10.0, per_row, draft_ms=2.0, tree_ms=1.0)
-    pipe._cost_model, pipe._policies = cost, {}  # a fresh policy on this cost model
+    pipe.use_cost_model(cost)  # a fresh policy on this cost model
     got = pipe.generate(input_ids=prompt, method="dartree", max_new_tokens=max_new, budget="auto", width=3, top_k=8)
     decoded = next(iter(pipe._policies.values()))
     policy, modeled = BudgetPolicy(cost, max_depth=pipe.proposer.num_depths), {}

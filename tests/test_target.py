@@ -231,12 +231,13 @@ def test_loaded_targets_run_bf16_attention_in_float32_on_cpu(family, model_dirs,
     with fp32 q/k/v and returns bf16 states close to the fp32 model's."""
     from transformers.integrations import sdpa_attention
 
+    import dartree.attention as attention
     import dartree.loading as loading
 
     path = model_dirs[(family, "target")]
     ids = torch.tensor([[3, 1, 4, 1, 5, 7, 2, 6]])
     fp32 = loading.load_target(path, torch.float32, "cpu")
-    assert fp32.config._attn_implementation == loading.ATTENTION
+    assert fp32.config._attn_implementation == attention.ATTENTION
     plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
     loading.cpu_products(plain)  # the same products, so only the attention differs
     with torch.no_grad():
@@ -256,14 +257,15 @@ def test_bf16_cpu_cache_keeps_kv_in_float32_with_the_same_outputs(family, model_
     """A bf16 CPU target's attention runs in fp32, so its KV cache stores fp32 (no cast of the whole
     cache at each step); bf16 -> fp32 is exact, so prefill and steps give bit-identical logits to a
     bf16 cache. A model with plain SDPA keeps K/V in its own dtype (its attention wants them so)."""
+    import dartree.attention as attention
     import dartree.loading as loading
     from dartree.target import growing_cache
 
     path = model_dirs[(family, "target")]
     model = loading.load_target(path, torch.bfloat16, "cpu")
-    assert loading.kv_cache_dtype(model) == torch.float32
-    assert loading.kv_cache_dtype(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa")) == torch.bfloat16
-    assert loading.kv_cache_dtype(loading.load_target(path, torch.float32, "cpu")) == torch.float32
+    assert attention.kv_cache_dtype(model) == torch.float32
+    assert attention.kv_cache_dtype(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa")) == torch.bfloat16
+    assert attention.kv_cache_dtype(loading.load_target(path, torch.float32, "cpu")) == torch.float32
     ids = torch.tensor([[3, 1, 4, 1, 5, 7, 2, 6]])
     outs = {}
     for store in (torch.float32, torch.bfloat16):

@@ -115,7 +115,7 @@ def _run_generate(args) -> int:
 def _run_calibrate(args) -> int:
     if args.context < 1:
         raise DartreeError(f"--context must be >= 1, got {args.context}")
-    pipe = load_pipeline(args.target, args.drafter, dtype=args.dtype, device=args.device, threads=args.threads)
+    pipe = load_pipeline(args.target, args.drafter, dtype=args.dtype, device=args.device, threads=args.threads, cost_model=None)
     cost = load_or_measure(pipe.target, pipe.proposer, pipe.head, args.context, remeasure=args.remeasure)
     print(cost.to_json() if args.json else cost.table())
     if args.plot:

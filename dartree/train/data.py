@@ -28,7 +28,8 @@ import torch
 from tqdm import tqdm
 
 from ..errors import DartreeError
-from ..loading import LayerTap, kv_cache_dtype
+from ..attention import kv_cache_dtype
+from ..taps import LayerTap
 from ..pipeline import Pipeline
 from ..prompts import chat_token_ids, code_prompt, instruction_prompt, math_prompt
 from ..settings import GenerationSettings
