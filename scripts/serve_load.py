@@ -27,7 +27,6 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -41,22 +40,6 @@ def rss_mb(pid: int | str = "self") -> float:
     return float("nan")
 
 
-def wait_healthy(proc: subprocess.Popen, port: int, tries: int) -> bool:
-    """Poll the server's /health (half a second apart) until it answers 200; False (the process
-    killed) when it exits or does not come up in ``tries`` polls."""
-    for _ in range(tries):
-        if proc.poll() is not None:
-            return False
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
-                if r.status == 200:
-                    return True
-        except OSError:
-            time.sleep(0.5)
-    proc.kill()
-    return False
-
-
 def start_dartree(method: str, threads: int, slots: int, port: int, max_tokens: int) -> subprocess.Popen:
     """``method`` is a method name, or ``name:budget`` for a fixed per-request budget."""
     name, _, budget = method.partition(":")
@@ -64,7 +47,10 @@ def start_dartree(method: str, threads: int, slots: int, port: int, max_tokens: 
                              "--max-batch", str(slots), "--max-queue", "64", "--method", name, "--max-new-tokens", str(max_tokens),
                              *(["--budget", budget] if budget else [])],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    if not wait_healthy(proc, port, 600):
+    from dartree.bench.llama_cpp import wait_healthy
+
+    if not wait_healthy(proc, f"http://127.0.0.1:{port}", 600):
+        proc.kill()
         raise RuntimeError("dartree serve did not come up")
     return proc
 

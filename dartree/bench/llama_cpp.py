@@ -52,6 +52,21 @@ def missing() -> str | None:
     return None
 
 
+def wait_healthy(proc: subprocess.Popen, base_url: str, tries: int) -> bool:
+    """Poll a server's /health (half a second apart) until it answers 200; False when the process
+    exits or it does not come up in ``tries`` polls (llama-server's and dartree serve's alike)."""
+    for _ in range(tries):
+        if proc.poll() is not None:
+            return False
+        try:
+            with urllib.request.urlopen(f"{base_url}/health", timeout=1) as r:
+                if r.status == 200:
+                    return True
+        except OSError:
+            time.sleep(0.5)
+    return False
+
+
 class LlamaServer:
     """One ``llama-server`` process on a GGUF file, ``slots`` parallel slots, CPU only."""
 
@@ -76,7 +91,7 @@ class LlamaServer:
                 [str(server_binary()), "-m", str(self.gguf), "-t", str(self.threads), "-tb", str(self.threads),
                  "-c", str(self.context), "-np", str(self.slots), "--port", str(self.port), "--host", "127.0.0.1",
                  "-ngl", "0", *flags], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            if self._healthy(tries):
+            if wait_healthy(self.proc, self.base_url, tries):
                 try:
                     self.complete([1, 2, 3], 4)
                     return self
@@ -85,17 +100,6 @@ class LlamaServer:
             self.close()
         raise DartreeError(f"llama-server on {self.gguf} did not come up (with or without --no-repack)")
 
-    def _healthy(self, tries: int) -> bool:
-        for _ in range(tries):
-            if self.proc.poll() is not None:
-                return False
-            try:
-                with urllib.request.urlopen(f"{self.base_url}/health", timeout=1) as r:
-                    if r.status == 200:
-                        return True
-            except OSError:
-                time.sleep(0.5)
-        return False
 
     def complete(self, prompt_ids: list[int], max_new_tokens: int) -> dict:
         """Greedy decoding of ``prompt_ids``: the new token ids (a stop token included, as ours),
