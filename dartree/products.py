@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
+
 FEW_ROWS = 6  # at most this many rows: the weight-first product (without oneDNN)
 LEAN_MAX_ROWS = 64  # up to this many rows the lean kernels' product leads oneDNN's (docs/results/lean-forward/products-2threads.json)
 PADDED_ROWS = {1: 2, 3: 4}  # row counts whose weight-first product runs faster padded to more columns
@@ -79,8 +81,6 @@ class CpuLinear(nn.Linear):
 
     def _lean_weight(self) -> torch.Tensor:
         """The weight packed for the lean kernels' product (``kernels.py``), packed again when it changes."""
-        from . import kernels
-
         weight = self.weight
         key = (id(weight), weight.data_ptr(), weight._version)
         if self._lean_packed is None or self._lean_packed[0] != key:
@@ -101,8 +101,6 @@ class CpuLinear(nn.Linear):
             return F.linear(x, weight, self.bias)
         rows = x.numel() // x.shape[-1]
         if self.lean_products and 0 < rows <= LEAN_MAX_ROWS and x.dtype in (torch.float32, torch.float64):
-            from . import kernels
-
             out = kernels.load().product(x.reshape(rows, x.shape[-1]).contiguous(), self._lean_weight(), self.out_features, None)
             if self.bias is not None:
                 out = out + self.bias
@@ -144,10 +142,7 @@ def cpu_products(model: torch.nn.Module, pack: bool | None = None, lean: bool = 
         packed_bytes = sum(m.weight.numel() * 4 for m in linears)
         memory = _physical_memory()  # 0 where it cannot be read: pack (most machines have the room)
         pack = onednn_packing_available() and (memory == 0 or packed_bytes <= PACKED_SHARE_OF_MEMORY * memory)
-    if lean:
-        from . import kernels
-
-        lean = kernels.available()
+    lean = lean and kernels.available()
     for module in linears:
         module.__class__ = CpuLinear
         module.pack_weights = bool(pack) and onednn_packing_available()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 import urllib.request
@@ -132,9 +133,17 @@ class LlamaServer:
         self.close()
 
 
-def start_peer(peer: str, threads: int, port: int, slots: int = 1) -> LlamaServer:
-    """A started server for ``peer`` (``LLAMA_PEERS``); a clear error with the build line where it is missing."""
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_peer(peer: str, threads: int, port: int | None = None, slots: int = 1) -> LlamaServer:
+    """A started server for ``peer`` (``LLAMA_PEERS``) on ``port`` (default: a free one); a clear
+    error with the build line where llama.cpp is missing."""
     reason = missing()
     if reason is not None:
         raise DartreeError(reason)
-    return LlamaServer(peer_weights(peer), threads, port, slots).start()
+    return LlamaServer(peer_weights(peer), threads, free_port() if port is None else port, slots).start()

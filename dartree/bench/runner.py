@@ -108,7 +108,7 @@ def build_grid(methods, temperatures, budgets=(TreeSettings.budget,), dtypes=("f
             for budget in choices["budget"] if "budget" in builder.reads else (None,):
                 crossed = [n for n in builder.settings_read(budget) if n != "budget"]
                 for combo in itertools.product(*(choices[n] for n in crossed)):
-                    grid.append(RunConfig(m, t, dtype=dtype, **({"budget": budget} if budget is not None else {}), **dict(zip(crossed, combo))))
+                    grid.append(RunConfig(m, t, dtype=dtype, budget=budget, **dict(zip(crossed, combo))))
     return list(dict.fromkeys(grid))
 
 
@@ -173,15 +173,26 @@ def plain_hf_model(pipe) -> torch.nn.Module:
     return _PLAIN_MODELS[key]
 
 
+def _peer_turns(pipe, sample: Sample, decode) -> list[dict]:
+    """A peer over every turn of ``sample``: ``decode(prompt ids [P])`` gives one turn's record (with
+    its ``token_ids``), whose text is the next turn's assistant message."""
+    messages, turns = [], []
+    for turn in sample.turns:
+        messages.append({"role": "user", "content": turn})
+        record = decode(pipe.encode(messages=list(messages)))
+        turns.append(record)
+        messages.append({"role": "assistant", "content": pipe.tokenizer.decode(record["token_ids"], skip_special_tokens=True)})
+    return turns
+
+
 @torch.no_grad()
 def run_hf_peer(pipe, sample: Sample, cfg: RunConfig, max_new_tokens: int) -> list[dict]:
     """Hugging Face generate (greedy) or prompt-lookup decoding on the target as Hugging Face loads
     it (``plain_hf_model``), timed the same way (prefill excluded)."""
     model, stop = plain_hf_model(pipe), sorted(pipe.default_stop_ids())
-    messages, turns = [], []
-    for turn in sample.turns:
-        messages.append({"role": "user", "content": turn})
-        ids = pipe.encode(messages=list(messages))[None]
+
+    def decode(prompt: torch.Tensor) -> dict:
+        ids = prompt[None]
         attn = torch.ones_like(ids)
         t0 = time.perf_counter()
         model(input_ids=ids, attention_mask=attn, logits_to_keep=1)  # prefill alone, to subtract
@@ -193,32 +204,22 @@ def run_hf_peer(pipe, sample: Sample, cfg: RunConfig, max_new_tokens: int) -> li
         out = model.generate(ids, attention_mask=attn, **kwargs)
         total = time.perf_counter() - t0
         tokens = out[0, ids.shape[1]:].tolist()
-        turns.append({"token_ids": tokens, "new_tokens": len(tokens), "rounds": None, "acceptance_lengths": [],
-                      "decode_seconds": max(total - prefill, 1e-9), "stage_ms": {}, "total_seconds": total})
-        messages.append({"role": "assistant", "content": pipe.tokenizer.decode(tokens, skip_special_tokens=True)})
-    return turns
+        return {"token_ids": tokens, "new_tokens": len(tokens), "rounds": None, "acceptance_lengths": [],
+                "decode_seconds": max(total - prefill, 1e-9), "stage_ms": {}, "total_seconds": total}
+
+    return _peer_turns(pipe, sample, decode)
 
 
 def run_llama_peer(server: llama_cpp.LlamaServer, pipe, sample: Sample, max_new_tokens: int) -> list[dict]:
     """A llama.cpp peer on the same prompt token ids as ours (every turn), greedy, timed by llama.cpp
     itself (prompt processing excluded)."""
-    messages, turns = [], []
-    for turn in sample.turns:
-        messages.append({"role": "user", "content": turn})
-        ids = pipe.encode(messages=list(messages)).tolist()
-        out = server.complete(ids, max_new_tokens)
-        turns.append({"token_ids": out["token_ids"], "new_tokens": out["new_tokens"], "rounds": None, "acceptance_lengths": [],
-                      "decode_seconds": max(out["decode_seconds"], 1e-9), "stage_ms": {}, "total_seconds": out["total_seconds"]})
-        messages.append({"role": "assistant", "content": pipe.tokenizer.decode(out["token_ids"], skip_special_tokens=True)})
-    return turns
 
+    def decode(prompt: torch.Tensor) -> dict:
+        out = server.complete(prompt.tolist(), max_new_tokens)
+        return {"token_ids": out["token_ids"], "new_tokens": out["new_tokens"], "rounds": None, "acceptance_lengths": [],
+                "decode_seconds": max(out["decode_seconds"], 1e-9), "stage_ms": {}, "total_seconds": out["total_seconds"]}
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return _peer_turns(pipe, sample, decode)
 
 
 def run(pipes, samples: list[Sample], grid: list[RunConfig], out_path: Path, max_new_tokens: int, seed: int = 0) -> list[dict]:
@@ -243,7 +244,7 @@ def run(pipes, samples: list[Sample], grid: list[RunConfig], out_path: Path, max
             pipe = pipes[cfg.dtype]
             if cfg.method in llama_cpp.LLAMA_PEERS:
                 if cfg.method not in servers:
-                    servers[cfg.method] = llama_cpp.start_peer(cfg.method, torch.get_num_threads(), _free_port())
+                    servers[cfg.method] = llama_cpp.start_peer(cfg.method, torch.get_num_threads())
                     stopping.callback(servers[cfg.method].close)
                 turns = run_llama_peer(servers[cfg.method], pipe, sample, max_new_tokens)
             elif cfg.method in HF_PEERS:

@@ -35,18 +35,17 @@ def add_tree_args(p: argparse.ArgumentParser) -> None:
     for setting in TreeSettings.declarations():
         name, meta = setting.name, setting.metadata
         readers = ", ".join(m for m, b in BUILDERS.items() if name in b.settings_read())
-        g.add_argument(*meta["flags"], dest=name, type=_argument_type(meta["parse"], name), default=setting.default,
+        g.add_argument(*meta["flags"], dest=name, type=_argument_type(setting), default=setting.default,
                        help=f"{meta['help']} ({readers}; default {setting.default})")
 
 
-def _argument_type(parse, name: str):
+def _argument_type(setting):
     def read(text: str):
         try:
-            return parse(text)
+            return setting.metadata["parse"](text)
         except ValueError:
-            expected = "an integer or 'auto'" if name == "budget" else f"a {parse.__name__}"
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
-    read.__name__ = name
+            raise argparse.ArgumentTypeError(f"expected {setting.metadata['expects']}, got {text!r}") from None
+    read.__name__ = setting.name
     return read
 
 

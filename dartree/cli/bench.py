@@ -159,8 +159,8 @@ def tree_lists(args) -> dict[str, list]:
         try:
             out[setting.name] = [setting.metadata["parse"](x.strip()) for x in text.split(",") if x.strip()]
         except ValueError:
-            kind = "integers or 'auto'" if setting.name == "budget" else f"{setting.metadata['parse'].__name__} values"
-            raise DartreeError(f"{_list_flag(setting)} takes comma-separated {kind}, got {text!r}") from None
+            raise DartreeError(f"{_list_flag(setting)} takes comma-separated values, each {setting.metadata['expects']}; "
+                               f"got {text!r}") from None
         if not out[setting.name]:
             raise DartreeError(f"{_list_flag(setting)} needs at least one value")
     return out

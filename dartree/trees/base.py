@@ -18,10 +18,12 @@ def parse_budget(text: str) -> int | str:
 def _setting(default, help: str, flags: tuple[str, ...], request: str, key: str, parse=int):
     """One tree setting's declaration: its default, its help, its command-line flags, its name as a
     request field of ``dartree serve``, its short name in a bench configuration's key (``B=16``) and
-    how to read it from text. The CLI, the server, the bench grid and its records derive their
+    how to read it from text (and what that accepts, for error messages). The CLI, the server, the bench grid and its records derive their
     arguments and fields from these; the methods that read a setting come from the registry
     (``TreeBuilder.settings_read``)."""
-    return field(default=default, metadata={"help": help, "flags": flags, "request": request, "key": key, "parse": parse})
+    expects = {int: "an integer", float: "a number", parse_budget: "an integer or 'auto'"}[parse]  # for error messages
+    return field(default=default, metadata={"help": help, "flags": flags, "request": request, "key": key, "parse": parse,
+                                            "expects": expects})
 
 
 @dataclass(frozen=True)
