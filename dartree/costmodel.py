@@ -50,6 +50,11 @@ class CostModel:
         """A speculative round with ``nodes`` tree nodes: draft + tree build + verify over nodes + 1 rows."""
         return self.draft_ms + self.tree_ms + self.verify(nodes + 1)
 
+    def rounds_ms(self, tree_sizes: list[int], drafted: list[bool]) -> float:
+        """Milliseconds of a request's rounds (``GenerationStats.tree_sizes`` / ``drafted``): a drafted
+        round costs ``round_ms`` of its tree, a plain step a one-row forward."""
+        return sum(self.round_ms(n) if d else self.verify(1) for n, d in zip(tree_sizes, drafted, strict=True))
+
     def to_json(self) -> str:
         raw = asdict(self)
         raw["verify_ms"] = {str(k): v for k, v in self.verify_ms.items()}

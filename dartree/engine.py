@@ -55,6 +55,7 @@ class GenerationStats:
     decode_seconds: float = 0.0  # after prefill and the first draft call, as in the published harnesses
     stage_ms: dict[str, float] = field(default_factory=dict)
     tree_sizes: list[int] = field(default_factory=list)
+    drafted: list[bool] = field(default_factory=list)  # per round: whether the drafter was called (False: a plain step)
     finish_reason: str | None = None
 
     @property
@@ -377,6 +378,7 @@ def run_round(target, requests: list[Request], head: CorrectionHead | None = Non
                 r.pending.append(w.features.index_select(0, keep.to(w.features.device)))
             r.stats.acceptance_lengths.append(len(accepted))
             r.stats.tree_sizes.append(len(w.tree))
+            r.stats.drafted.append(id(r) in drafts)
             r.bonus = next_bonus
             r.emit(w.part.tokens[keep[1:]].tolist() + [next_bonus])
         except Exception as exc:  # noqa: BLE001 - this request ends with its error; the others go on

@@ -103,7 +103,7 @@ def test_block_batch_labels_are_shifted():
 def test_training_reduces_loss_resumes_and_exports(tiny_data, tmp_path):
     target_dir, target, data = tiny_data
     cfg = TrainConfig(data=str(data), out=str(tmp_path / "run"), steps=40, seqs_per_step=2, anchors=6, block_size=5,
-                      gru=16, rank=8, lr=3e-3, heldout_seqs=4, eval_every=20, save_every=20, tapped=[1, 2], draft_vocab=12)
+                      gru=16, rank=8, lr=3e-3, heldout_seqs=4, eval_new_tokens=8, eval_every=20, save_every=20, tapped=[1, 2], draft_vocab=12)
     trainer = Trainer(target, cfg, "drafter")
     first = trainer.evaluate()["heldout_loss"]
     cfg.steps = 20
@@ -116,10 +116,10 @@ def test_training_reduces_loss_resumes_and_exports(tiny_data, tmp_path):
     assert resumed.step == 40
     assert resumed.evaluate()["heldout_loss"] < first
     assert (tmp_path / "run" / "metrics.jsonl").read_text().count("sim_tau_base") >= 2
-    assert (tmp_path / "run" / "metrics.jsonl").read_text().count("sim_tau_dartree_b16") >= 2
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().count("replay_tau_dartree_b16") >= 2
 
     mcfg = TrainConfig(data=str(data), out=str(tmp_path / "markov"), steps=10, anchors=6, block_size=5, markov_rank=8,
-                       heldout_seqs=4, eval_every=10, save_every=10, tapped=[1, 2], init_drafter=str(tmp_path / "run" / "checkpoint"))
+                       heldout_seqs=4, eval_new_tokens=8, eval_every=10, save_every=10, tapped=[1, 2], init_drafter=str(tmp_path / "run" / "checkpoint"))
     Trainer(target, mcfg, "markov").run()
 
     # an exported drafter (the committed asset) resumes in a fresh folder at its recorded step
@@ -148,12 +148,12 @@ def test_training_step_makes_every_tensor_on_the_model_device(tiny_data, tmp_pat
     with the CPU tensors fails, so this catches a forgotten device argument without a GPU."""
     target_dir, target, data = tiny_data
     cfg = TrainConfig(data=str(data), out=str(tmp_path / "run"), steps=2, anchors=6, block_size=5, gru=16, rank=8,
-                      heldout_seqs=4, tapped=[1, 2], device="cpu")
+                      heldout_seqs=4, eval_new_tokens=8, tapped=[1, 2], device="cpu")
     trainer = Trainer(target, cfg, "drafter")
     seq = trainer.train_seqs[0]
     with torch.device("meta"):
         l_final, l_base, *_ = trainer.sequence_losses(seq, random.Random(0), grad=True)
-        metrics = trainer.evaluate()
+        metrics = trainer._evaluate(trainer.heldout, key_base=-1)  # the anchor metrics; replay runs the decoder's round
     assert l_final.device.type == "cpu" and torch.isfinite(l_final + l_base)
     (l_final + l_base).backward()
     assert all(p.grad is not None and p.grad.device.type == "cpu" for p in trainer.model.parameters() if p.requires_grad)
@@ -170,7 +170,7 @@ def test_feature_cache_reuses_the_target_forward(tiny_data, tmp_path, monkeypatc
     real = drafter_mod.target_features
     monkeypatch.setattr(drafter_mod, "target_features", lambda *a: calls.append(1) or real(*a))
     cfg = TrainConfig(data=str(data), out=str(tmp_path / "run"), steps=2, anchors=6, block_size=5, gru=16, rank=8,
-                      heldout_seqs=4, tapped=[1, 2])
+                      heldout_seqs=4, eval_new_tokens=8, tapped=[1, 2])
     trainer = Trainer(target, cfg, "drafter")
     seq = trainer.train_seqs[3]
     fresh = trainer.features(seq)
@@ -193,7 +193,7 @@ def test_bf16_autocast_step_matches_float32(tiny_data, tmp_path):
     for autocast in (False, True):
         torch.manual_seed(0)
         cfg = TrainConfig(data=str(data), out=str(tmp_path / f"run-{autocast}"), steps=30, anchors=6, block_size=5, gru=16,
-                          rank=8, lr=3e-3, heldout_seqs=4, tapped=[1, 2], draft_vocab=12, eval_every=30, autocast=autocast)
+                          rank=8, lr=3e-3, heldout_seqs=4, eval_new_tokens=8, tapped=[1, 2], draft_vocab=12, eval_every=30, autocast=autocast)
         trainer = Trainer(target, cfg, "drafter")
         l_final, l_base, *_ = trainer.sequence_losses(trainer.train_seqs[0], random.Random(0), grad=True)
         (l_final + l_base).backward()
@@ -243,7 +243,7 @@ def test_growing_a_resumed_drafter_keeps_its_outputs_then_trains_the_new_layer(t
     one's (the new layer starts as the identity), training then moves the new layer, the grown
     checkpoint saves and loads with 2 layers, and a Markov head trains on the 2-layer backbone."""
     target_dir, target, data = tiny_data
-    base = dict(data=str(data), anchors=6, block_size=5, gru=16, rank=8, lr=3e-3, heldout_seqs=4, eval_every=10,
+    base = dict(data=str(data), anchors=6, block_size=5, gru=16, rank=8, lr=3e-3, heldout_seqs=4, eval_new_tokens=8, eval_every=10,
                 save_every=10, tapped=[1, 2], draft_vocab=12)
     one = Trainer(target, TrainConfig(out=str(tmp_path / "one"), steps=10, **base), "drafter")
     one.run()
@@ -286,7 +286,8 @@ def test_data_generation_starts_at_a_shard_and_skips_what_another_process_wrote(
     skipped, never generated twice."""
     import dartree.train.data as data_mod
 
-    monkeypatch.setattr(data_mod, "training_prompts", lambda *_: [f"prompt {i}" for i in range(10)])
+    monkeypatch.setattr(data_mod, "original_prompts",
+                        lambda *_: [data_mod.TrainingPrompt(f"prompt {i}", "gsm8k_train", "math") for i in range(10)])
     tok = type("Tok", (), {"eos_token_id": 0, "apply_chat_template": lambda self, msgs, **_: [1, 2, len(msgs[0]["content"])]})()
     out = tmp_path / "data"
     out.mkdir()
@@ -320,7 +321,7 @@ def test_training_picks_up_shards_written_while_it_runs(tiny_data, tmp_path):
     for k in range(2):
         shutil.copy(data / f"shard-{k:05d}.safetensors", mine)
     cfg = TrainConfig(data=str(mine), out=str(tmp_path / "run"), steps=6, anchors=6, block_size=5, gru=16, rank=8,
-                      heldout_seqs=4, eval_every=100, tapped=[1, 2], rescan_every=3)
+                      heldout_seqs=4, eval_new_tokens=8, eval_every=100, tapped=[1, 2], rescan_every=3)
     trainer = Trainer(target, cfg, "drafter")
     before, held = list(trainer.train_seqs), [s.tokens for s in trainer.heldout]
     trainer.features(before[5], key=5)
@@ -371,3 +372,63 @@ def test_engine_data_answers_each_prompt_as_the_target_alone(model_dirs):
             assert answer == alone.output
             ended_early += len(answer) < 12
     assert ended_early >= 2  # some answers ended at the stop token, so slots freed at different rounds
+
+
+def test_category_balance_held_out_categories_and_the_non_commercial_source(tiny_data, tmp_path):
+    """Two folders read as one data set: each step draws a category uniformly whatever their sizes;
+    each category's first sequences are held out (never trained on) and evaluated apart; Alpaca's
+    sequences (CC BY-NC) are never trained on."""
+    from dartree.train.data import NON_COMMERCIAL_SOURCES
+
+    _, target, data = tiny_data
+    seqs = load_shards(sorted(data.glob("shard-*.safetensors")))
+    labelled = []
+    for i, s in enumerate(seqs):  # 18 math, 4 coding, 2 of the non-commercial file
+        source = f"{NON_COMMERCIAL_SOURCES[0]}/instruction" if i < 2 else ("x/coding" if i < 6 else "y/math")
+        labelled.append(type(s)(s.tokens, s.prompt_len, source))
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir(), second.mkdir()
+    save_shard(first / "shard-00000.safetensors", labelled[:12], {})
+    save_shard(second / "shard-00000.safetensors", labelled[12:], {})
+    cfg = TrainConfig(data=f"{first},{second}", out=str(tmp_path / "run"), anchors=6, block_size=5, gru=16, rank=8,
+                      heldout_seqs=1, heldout_per_category=2, tapped=[1, 2], eval_new_tokens=8)
+    trainer = Trainer(target, cfg, "drafter")
+    assert not any(s.source.startswith(NON_COMMERCIAL_SOURCES[0]) for s in trainer.train_seqs)
+    assert {c: len(g) for c, g in trainer.heldout_by_category.items()} == {"coding": 2, "math": 2}
+    held = {id(s) for s in trainer.heldout} | {id(s) for g in trainer.heldout_by_category.values() for s in g}
+    assert not held & {id(s) for s in trainer.train_seqs}
+    counts = trainer.category_counts()
+    assert counts["math"] > 3 * counts["coding"]  # unbalanced data ...
+    drawn = [trainer.train_seqs[trainer.draw_sequence()].source.rpartition("/")[2] for _ in range(2000)]
+    assert 0.45 < drawn.count("coding") / len(drawn) < 0.55  # ... balanced steps
+    metrics = trainer.evaluate()
+    assert set(metrics["heldout_loss_by_category"]) == {"coding", "math"}
+    assert set(metrics["replay_tau_dartree_b16_by_category"]) == {"coding", "math"}
+    assert metrics["replay_tau_dartree_b16"] >= 1.0
+    cfg.balance = "none"
+    plain = Trainer(target, cfg, "drafter")
+    drawn = [plain.train_seqs[plain.draw_sequence()].source.rpartition("/")[2] for _ in range(2000)]
+    assert drawn.count("coding") / len(drawn) < 0.3
+
+
+def test_original_shards_are_labelled_by_their_prompts_text(monkeypatch):
+    """Shards written before sources were kept get each prompt's file and category back from its text
+    (the chat template's user turn); a prompt that matches none stays unlabelled."""
+    import dartree.train.data as data_mod
+
+    prompts = [data_mod.TrainingPrompt("What is 2 + 2?", "gsm8k_train", "math"),
+               data_mod.TrainingPrompt("Write a haiku.", "alpaca_train_2000", "instruction"),
+               data_mod.TrainingPrompt("x" * 300 + "def f(): pass", "mbpp_full", "coding")]
+    monkeypatch.setattr(data_mod, "original_prompts", lambda *_: prompts)
+    texts = {1: "What is 2 + 2?", 2: "Write a haiku.", 3: "x" * 200 + "def f(): pass", 4: "unknown"}  # 3: cut to its end
+
+    class Tok:
+        def batch_decode(self, batch):
+            return [f"<|im_start|>system\nS<|im_end|>\n<|im_start|>user\n{texts[int(ids[0])]}<|im_end|>\n<|im_start|>assistant\n"
+                    for ids in batch]
+
+    seqs = [data_mod.Sequence(torch.tensor([k, 9, 9]), 2) for k in (1, 2, 3, 4)]
+    seqs.append(data_mod.Sequence(torch.tensor([1, 9]), 1, "kept/open_qa"))
+    assert data_mod.label_original_sources(seqs, ".", Tok()) == 3
+    assert [s.source for s in seqs] == ["gsm8k_train/math", "alpaca_train_2000/instruction", "mbpp_full/coding", "", "kept/open_qa"]
+    assert [data_mod.sequence_category(s) for s in seqs] == ["math", "instruction", "coding", "unlabelled", "open_qa"]

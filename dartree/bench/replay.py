@@ -6,26 +6,25 @@ choices is walking it with y. Replay therefore needs no target forward per round
 
 1. one greedy ``ar`` run gives y, extended past its stop token by one draft block (a last round
    may accept nodes beyond the stop, and the real decoder counts them);
-2. one teacher-forced target forward over prompt + y gives the drafter's context features at every
-   position (the real decoder gets the same rows from its tree forwards, up to float rounding);
-3. every method replays its rounds in lockstep on the shared drafter calls: the draft at position
-   s is computed once and handed to each method whose round starts at s.
+2. one teacher-forced target forward over prompt + y gives the tapped states at every position
+   (the real decoder gets the same rows from its tree forwards, up to float rounding);
+3. each method runs the decoder's own round (``engine.run_round``, a batch of one) on a
+   ``KnownTarget``: a target whose forward looks its answer up instead of computing it. The
+   drafter, the tree builders, the budget policy, the walk and the stop rules are the decoder's.
 
 This measures tau for many methods and budgets at a fraction of the cost of decoding each one
 (the tests check it equals the decoder's per-round acceptance lengths); wall-clock speedups still
 come from real decoding (``dartree bench``).
 
 With a cost model (``dartree calibrate``), replay also adds up what each round would cost on that
-machine (drafter call + tree build + a target forward over the tree's rows; a plain step is a
-one-row forward) and runs ``budget="auto"``: its policy (``dartree.budget``) sees the same trees and
-acceptances as in decoding, so its choices, and the modeled speedup over ``ar``, come without a
-single timed decode. The modeled speedup is a prediction from the cost model, not a measurement.
+machine (``CostModel.rounds_ms``: drafter call + tree build + a target forward over the tree's rows;
+a plain step is a one-row forward) and runs ``budget="auto"``: its policy (``dartree.budget``) sees
+the same trees and acceptances as in decoding, so its choices, and the modeled speedup over ``ar``,
+come without a single timed decode. The modeled speedup is a prediction from the cost model, not a
+measurement.
 """
 
 from __future__ import annotations
-
-import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -34,26 +33,59 @@ from ..costmodel import CostModel
 from ..engine import Request, run_alone, truncate
 from ..errors import require
 from ..trees import TreeBuilder, make_builder
-from ..verify import Sampler, follow_tree
+from ..verify import Sampler
 
 
-@dataclass
-class _Progress:
-    builder: TreeBuilder
-    next_index: int = 0  # index into y of the next round's bonus token: the output so far is y[: next_index + 1]
-    done: bool = False
-    acceptance_lengths: list[int] = field(default_factory=list)
-    tree_seconds: float = 0.0
-    policy: BudgetPolicy | None = None  # budget "auto": cuts each ranked tree, or takes plain steps
-    modeled_ms: float = 0.0  # the rounds' cost on the cost model
+class KnownTarget:
+    """The round's target interface (``engine.run_round``) for one known sequence: prompt + the
+    target's answer. A forward returns, for each row, its position as the "hidden state" and the
+    teacher-forced tapped states at that position; the output layer turns a position into a one-hot
+    choice of the known next token. Rows on the answer's path thus get exactly what the target
+    would give them; rows off it get wrong values, but the walk never accepts them (their parent's
+    choice is the answer's token, not theirs), so their values never matter."""
 
-    def advance(self, y: list[int], i: int, length: int, stop_ids: set[int], max_new_tokens: int) -> None:
-        """Commit a round that started at y[i] and accepted ``length`` rows (bonus included)."""
-        new_tokens = y[i + 1 : i + length + 1]
-        self.acceptance_lengths.append(length)
-        self.next_index = i + length
-        # The decoder's stop rules: a stop token in the round's tokens, or enough tokens.
-        self.done = bool(stop_ids.intersection(new_tokens)) or self.next_index + 1 >= max_new_tokens
+    kind = "known"
+    prefill_chunk = 1 << 62
+
+    def __init__(self, tokens: torch.Tensor, features: torch.Tensor | None, tapped_layers: list[int]):
+        self.tokens = tokens.reshape(-1)
+        self.features = features
+        self.tapped_layers = list(tapped_layers)
+        self.capture = features is not None
+        self.width = int(self.tokens.max()) + 1  # the choices' logits need not span the whole vocabulary
+        self.lengths: dict[int, int] = {}
+
+    @property
+    def device(self) -> torch.device:
+        return self.tokens.device
+
+    def reserve_slots(self, slots: int) -> int:
+        return slots
+
+    def reset_slot(self, slot: int) -> None:
+        self.lengths[slot] = 0
+
+    def slot_length(self, slot: int) -> int:
+        return self.lengths[slot]
+
+    def forward_parts(self, parts) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        out, last = [], self.tokens.numel() - 1
+        for part in parts:
+            positions = (self.lengths[part.slot] + part.depths.to(self.device)).clamp(max=last)
+            self.lengths[part.slot] += part.tokens.numel()
+            features = self.features[positions] if self.capture and self.features is not None else None
+            out.append((positions[:, None].to(torch.float64), features))
+        return out
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        positions = hidden[:, 0].long()
+        choices = self.tokens[(positions + 1).clamp(max=self.tokens.numel() - 1)]
+        logits = torch.zeros(positions.numel(), self.width, device=self.device)
+        logits[torch.arange(positions.numel(), device=self.device), choices] = 1.0
+        return logits
+
+    def keep(self, slot: int, start: int, keep: torch.Tensor) -> None:
+        self.lengths[slot] = start + keep.numel()
 
 
 @torch.no_grad()
@@ -115,50 +147,20 @@ def replay(
     greedy = enough_greedy(pipe, prompt_ids, max_new_tokens, stop_ids, greedy)
     output = truncate(greedy, max_new_tokens, stop_ids)
     y = greedy[: len(output) + depths + 1]
-    prompt_len = prompt_ids.numel()
+    full = torch.cat([prompt_ids.reshape(-1), torch.tensor(y, dtype=prompt_ids.dtype, device=prompt_ids.device)])
+    pipe.target.capture = True
+    _, features = pipe.target.prefill(full)
+    known = KnownTarget(full, features, pipe.target.tapped_layers)
 
-    target = pipe.target
-    target.capture = True
-    full = torch.cat([prompt_ids, torch.tensor(y, dtype=prompt_ids.dtype, device=prompt_ids.device)])
-    _, features = target.prefill(full)
-    choices = torch.tensor(y[1:] + [y[-1]], device=prompt_ids.device)  # the target's choice after y[i]
-
-    runs = {name: _Progress(builder, policy=policies.get(name)) for name, builder in builders.items()}
-    for run in runs.values():
-        run.done = y[0] in stop_ids or max_new_tokens <= 1
-        if run.policy is not None:
-            run.policy.start_request()
-    pipe.proposer.reset()
-    cached = 0
-    for i in range(len(output)):
-        waiting = [r for r in runs.values() if not r.done and r.next_index == i]
-        if not any(not r.done for r in runs.values()):
-            break
-        drafting = []
-        for run in waiting:
-            if run.policy is None or run.policy.speculate():
-                drafting.append(run)
-            else:  # a plain target step: the bonus token alone
-                run.modeled_ms += cost.verify(1)
-                run.advance(y, i, 1, stop_ids, max_new_tokens)
-        if not drafting:
-            continue
-        start = prompt_len + i
-        draft = pipe.proposer.draft(y[i], features[cached:start], start)
-        cached = start
-        for run in drafting:
-            started = time.perf_counter()
-            tree = run.builder.build_tree(draft, pipe.head) if run.policy is None else run.policy.round_tree(run.builder, draft, pipe.head)
-            run.tree_seconds += time.perf_counter() - started
-            _, row_depths = tree.rows(y[i])
-            accepted, _ = follow_tree(tree, choices[i + row_depths])  # the target's choice at row r is y[i + depth(r) + 1]
-            if run.policy is not None:
-                run.policy.observe(tree, accepted)
-            if cost is not None:
-                run.modeled_ms += cost.round_ms(len(tree))
-            run.advance(y, i, len(accepted), stop_ids, max_new_tokens)
-    if timings is not None:
-        timings.update({name: run.tree_seconds for name, run in runs.items()})
-    if modeled is not None:
-        modeled.update({name: run.modeled_ms for name, run in runs.items()})
-    return output, {name: run.acceptance_lengths for name, run in runs.items()}
+    lengths: dict[str, list[int]] = {}
+    for name, builder in builders.items():
+        request = Request(prompt_ids, builder, Sampler(0.0), max_new_tokens, set(stop_ids), policy=policies.get(name),
+                          proposer=pipe.proposer)
+        run_alone(known, request, pipe.head)
+        require(request.output == output, f"replay of {name} wrote other tokens than the target's greedy ones (internal error)")
+        lengths[name] = request.stats.acceptance_lengths
+        if timings is not None:
+            timings[name] = request.stats.stage_ms.get("tree", 0.0) / 1000.0
+        if modeled is not None and cost is not None:
+            modeled[name] = cost.rounds_ms(request.stats.tree_sizes, request.stats.drafted)
+    return output, lengths

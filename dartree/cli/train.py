@@ -12,8 +12,8 @@ from ..errors import DartreeError
 from ..hardware import inexact_work_dtype, set_threads
 from ..loading import load_target, load_tokenizer, resolve_device
 from ..pipeline import Pipeline
-from ..train.data import generate_data, reference_token_counts
-from ..train.drafter import TrainConfig, Trainer, export
+from ..train.data import NON_COMMERCIAL_SOURCES, generate_data, reference_token_counts
+from ..train.drafter import BALANCE, TrainConfig, Trainer, export
 from .args import add_threads_arg
 
 
@@ -92,9 +92,16 @@ def add_drafter_args(steps) -> None:
                            ("markov", "train a Markov head on a trained, frozen drafter")):
         p = steps.add_parser(name, help=helptext)
         p.add_argument("--target", help="target directory (default: bundled SmolLM2-135M-Instruct)")
-        p.add_argument("--data", default="runs/data", help="shard folder written by `dartree train data` (default runs/data)")
+        p.add_argument("--data", default="runs/data",
+                       help="shard folder written by `dartree train data`, or several separated by commas (default runs/data)")
         p.add_argument("--prompts", default="../shared/prompts",
-                       help="training prompts folder; its human-written text ranks the draft-vocabulary tokens the responses leave undecided")
+                       help="training prompts folder; its human-written text ranks the draft-vocabulary tokens the responses leave "
+                            "undecided, and its original files label the shards written before sources were kept")
+        p.add_argument("--balance", choices=BALANCE, default=TrainConfig.balance,
+                       help="category: each step draws a category uniformly, then one of its sequences; none: any sequence "
+                            f"(sequences from {', '.join(NON_COMMERCIAL_SOURCES)}, licensed non-commercially, are never trained on)")
+        p.add_argument("--heldout-per-category", type=int, default=TrainConfig.heldout_per_category,
+                       help="the first sequences of each category held out and evaluated per category")
         p.add_argument("--out", default=f"runs/{name}")
         p.add_argument("--steps", type=int, default=TrainConfig.steps)
         p.add_argument("--seqs-per-step", type=int, default=TrainConfig.seqs_per_step)
@@ -154,17 +161,20 @@ def _run_train(args) -> int:
                       layers=args.layers, gru=args.gru, rank=args.rank, markov_rank=args.markov_rank, lr=args.lr,
                       eval_every=args.eval_every, save_every=args.eval_every, max_minutes=args.max_minutes,
                       device=str(device), autocast=inexact_work_dtype(args.compute_dtype, device) == torch.bfloat16,
-                      feature_cache_gb=args.feature_cache_gb, rescan_every=args.rescan_every)
+                      feature_cache_gb=args.feature_cache_gb, rescan_every=args.rescan_every, balance=args.balance,
+                      heldout_per_category=args.heldout_per_category)
     if args.stage == "markov":
         cfg.init_drafter = args.init_drafter
     else:
         cfg.resume_from = args.resume_from
     prior = None
-    if args.stage == "drafter" and cfg.draft_vocab and Path(args.prompts).is_dir() and not (Path(cfg.out) / "checkpoint").is_dir():
-        tokenizer = load_tokenizer(Path(args.target) if args.target else default_target_dir())
-        if tokenizer is not None:
-            prior = reference_token_counts(args.prompts, tokenizer, target.config.vocab_size)
-    ckpt = Trainer(target, cfg, args.stage, vocab_prior=prior).run()
+    tokenizer = load_tokenizer(Path(args.target) if args.target else default_target_dir())
+    if (args.stage == "drafter" and cfg.draft_vocab and Path(args.prompts).is_dir() and tokenizer is not None
+            and not (Path(cfg.out) / "checkpoint").is_dir() and not cfg.resume_from):
+        prior = reference_token_counts(args.prompts, tokenizer, target.config.vocab_size)
+    trainer = Trainer(target, cfg, args.stage, vocab_prior=prior, tokenizer=tokenizer, prompts_dir=args.prompts)
+    print("training sequences by category: " + ", ".join(f"{c} {n}" for c, n in trainer.category_counts().items()))
+    ckpt = trainer.run()
     if args.export:
         export(ckpt, args.export, shared_backbone=getattr(args, "export_backbone", None))
         print(f"exported {ckpt} -> {args.export}")

@@ -38,23 +38,39 @@ from ..target import all_growing, growing_cache
 MBPP_TRAIN_IDS = set(range(511, 975)) | set(range(1, 11))  # 11..510 is MBPP's test split
 
 
+# The original set's files, the category each is trained as, and whether its licence lets a shipped
+# drafter be trained on it (Alpaca's instructions are CC BY-NC: its sequences are never trained on).
+ORIGINAL_FILES = {"gsm8k_train": "math", "alpaca_train_2000": "instruction", "dolly_train_2000": "instruction",
+                  "mbpp_full": "coding"}
+NON_COMMERCIAL_SOURCES = ("alpaca_train_2000",)
+
+
 def training_prompts(prompts_dir: str | Path, seed: int = 0) -> list[str]:
-    """All training prompts, formatted like the evaluation prompts, shuffled deterministically."""
+    """All prompts of the original set, formatted like the evaluation prompts, shuffled deterministically."""
+    return [p.text for p in original_prompts(prompts_dir, seed)]
+
+
+def original_prompts(prompts_dir: str | Path, seed: int = 0) -> list[TrainingPrompt]:
+    """The original set (GSM8K, Alpaca, Dolly, MBPP train ids) in its one fixed shuffle, each prompt
+    with the file it came from: the shuffle permutes by position only, so labelling the prompts does
+    not move any of them (shard k of the original data still holds the same prompts)."""
     d = Path(prompts_dir)
     if not d.is_dir():
         raise DartreeError(f"prompts directory {str(d)!r} does not exist (expected ../shared/prompts)")
-    out: list[str] = []
+    out: list[TrainingPrompt] = []
+    label = lambda text, stem: TrainingPrompt(text, stem, ORIGINAL_FILES[stem])  # noqa: E731
     with open(d / "gsm8k_train.jsonl") as f:
-        out += [math_prompt(json.loads(line)["question"]) for line in f if line.strip()]
-    for name in ("alpaca_train_2000.json", "dolly_train_2000.json"):
-        out += [instruction_prompt(r["instruction"], r.get("input", "")) for r in json.loads((d / name).read_text())]
+        out += [label(math_prompt(json.loads(line)["question"]), "gsm8k_train") for line in f if line.strip()]
+    for name in ("alpaca_train_2000", "dolly_train_2000"):
+        out += [label(instruction_prompt(r["instruction"], r.get("input", "")), name)
+                for r in json.loads((d / f"{name}.json").read_text())]
     with open(d / "mbpp_full.jsonl") as f:
         for line in f:
             row = json.loads(line)
             if row["task_id"] in MBPP_TRAIN_IDS:
-                out.append(row["text"])
+                out.append(label(row["text"], "mbpp_full"))
                 tests = "\n".join(row["test_list"])
-                out.append(code_prompt(f'"""\n{row["text"]}\n{tests}\n"""\n'))
+                out.append(label(code_prompt(f'"""\n{row["text"]}\n{tests}\n"""\n'), "mbpp_full"))
     random.Random(seed).shuffle(out)
     return out
 
@@ -110,7 +126,7 @@ def expanded_prompts(prompts_dir: str | Path, seed: int = 0, split: str = "train
 def prompt_set(name: str, prompts_dir: str | Path, seed: int = 0) -> list[TrainingPrompt]:
     """The training prompts of set ``name`` (one of ``PROMPT_SETS``)."""
     if name == "original":
-        return [TrainingPrompt(t, "original", "mixed") for t in training_prompts(prompts_dir, seed)]
+        return original_prompts(prompts_dir, seed)
     if name == "expanded":
         return expanded_prompts(prompts_dir, seed, "train")
     raise DartreeError(f"unknown prompt set {name!r}; expected one of {', '.join(PROMPT_SETS)}")
@@ -289,6 +305,34 @@ def load_shard(path: Path) -> list[Sequence]:
         sources = [names[i] for i in t["source_ids"].tolist()]
     return [Sequence(t["tokens"][a:b].long(), int(n), src)
             for a, b, n, src in zip(offsets, offsets[1:], t["prompt_lens"].tolist(), sources)]
+
+
+def sequence_category(seq: Sequence) -> str:
+    """A sequence's category (the part of its source after the file name); "unlabelled" when its
+    shard kept no sources and ``label_original_sources`` could not place it."""
+    return seq.source.rpartition("/")[2] if seq.source else "unlabelled"
+
+
+def label_original_sources(seqs: list[Sequence], prompts_dir: str | Path, tokenizer) -> int:
+    """Give the sequences of shards written before sources were kept (the original set's) the file
+    and category of their prompt, found by the prompt's text in the chat template; returns how many
+    were labelled. Matching is by the last 100 characters of the user's turn (prompts were kept to
+    their last 512 tokens), which tells every prompt of the original set apart."""
+    unlabelled = [s for s in seqs if not s.source]
+    if not unlabelled:
+        return 0
+    by_tail: dict[str, set[str]] = {}
+    for p in original_prompts(prompts_dir):
+        by_tail.setdefault(p.text.strip()[-100:], set()).add(f"{p.source}/{p.category}")
+    texts = tokenizer.batch_decode([s.tokens[:s.prompt_len] for s in unlabelled])
+    done = 0
+    for seq, text in zip(unlabelled, texts):
+        user = text.rsplit("<|im_end|>", 1)[0].split("<|im_start|>user\n", 1)[-1].strip()
+        found = by_tail.get(user[-100:], set())
+        if len(found) == 1:
+            seq.source = next(iter(found))
+            done += 1
+    return done
 
 
 def shard_path(data_dir: str | Path, k: int) -> Path:

@@ -21,6 +21,8 @@ Checkpoints (weights in the export, optimiser and RNG in trainer.pt) let a run r
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import json
 import math
 import random
@@ -31,16 +33,19 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..drafter import DrafterConfig, DrafterLayer, DrafterModel, DraftOutput
+from ..drafter import DrafterConfig, DrafterLayer, DrafterModel
 from ..errors import DartreeError
 from ..loading import load_drafter, save_drafter
-from ..trees import DARTreeBuilder, TreeSettings
-from .data import Sequence, load_shards, shard_files, target_features
+from ..bench.replay import enough_greedy, replay
+from ..pipeline import Pipeline
+from ..trees import DARTreeBuilder, TreeBuilder, TreeSettings
+from .data import (NON_COMMERCIAL_SOURCES, Sequence, TrainingPrompt, expanded_prompts, label_original_sources, load_shards,
+                   sequence_category, shard_files, target_features)
 
 
 @dataclass
 class TrainConfig:
-    data: str = "runs/data"
+    data: str = "runs/data"  # one shard folder, or several separated by commas (read in that order)
     out: str = "runs/drafter"
     steps: int = 2000
     seqs_per_step: int = 1
@@ -57,8 +62,12 @@ class TrainConfig:
     hard_weight: float = 0.1  # share of hard-label CE next to the soft (distillation) CE
     curriculum: float = 0.1
     base_weight: float = 0.3  # lam never falls below this: the base logits stay trained at every depth
-    eval_tree_budget: int = 16  # simulated dartree tree tau on held-out anchors
+    eval_tree_budget: int = 16  # the dartree budget whose tau replay measures on held-out prompts
+    eval_new_tokens: int = 64  # the target's greedy answer replayed per held-out prompt
     heldout_seqs: int = 12
+    heldout_per_category: int = 4  # the first sequences of each category never trained on, evaluated per category
+    balance: str = "category"  # "category": each step draws a category uniformly, then a sequence of it; "none": a sequence
+    exclude_sources: tuple[str, ...] = NON_COMMERCIAL_SOURCES  # prompt files whose sequences are never trained on
     eval_every: int = 100
     save_every: int = 100
     max_minutes: float | None = None
@@ -235,10 +244,58 @@ def chain_tau(hits: torch.Tensor) -> float:
     return (hits.long().cumprod(dim=1).sum(dim=1) + 1).float().mean().item()
 
 
+def heldout_prompts(prompts_dir: str | Path, per_file: int) -> list[TrainingPrompt]:
+    """The first ``per_file`` prompts of every expanded file's held-out split (never in the data)."""
+    seen: dict[str, int] = {}
+    out = []
+    for p in expanded_prompts(prompts_dir, split="held_out"):
+        if seen.get(p.source, 0) < per_file:
+            seen[p.source] = seen.get(p.source, 0) + 1
+            out.append(p)
+    return out
+
+
+@torch.no_grad()
+def replay_tau_by_category(pipe: Pipeline, items: list[tuple[str, torch.Tensor]], builders: dict[str, TreeBuilder],
+                           max_new_tokens: int, greedy_path: Path | None = None) -> dict[str, dict[str, float]]:
+    """{method: {category: tau}} at T = 0 over ``items`` (category, prompt token ids) by exact replay
+    (``bench.replay``: the decoder's own round on the target's known greedy answer); tau = committed
+    tokens / rounds over each category's prompts, and "all" over every prompt. The target's greedy
+    answers are the costly part; ``greedy_path`` (JSONL) keeps them across calls, keyed by the prompt's
+    ids, the length and the target's dtype."""
+    stop = pipe.default_stop_ids()
+    dtype = str(pipe.target_model.dtype).removeprefix("torch.")
+    cache: dict[tuple, list[int]] = {}
+    if greedy_path is not None and greedy_path.is_file():
+        for line in greedy_path.read_text().splitlines():
+            g = json.loads(line)
+            cache[(g["prompt_sha1"], g["max_new_tokens"], g["dtype"])] = g["tokens"]
+    tokens = {name: {} for name in builders}
+    rounds = {name: {} for name in builders}
+    for category, ids in items:
+        ids = ids.reshape(-1).to(pipe.device)
+        key = (hashlib.sha1(str(ids.tolist()).encode()).hexdigest(), max_new_tokens, dtype)
+        if key not in cache:
+            cache[key] = enough_greedy(pipe, ids, max_new_tokens, stop)
+            if greedy_path is not None:
+                with open(greedy_path, "a") as f:
+                    f.write(json.dumps(dict(zip(("prompt_sha1", "max_new_tokens", "dtype"), key), tokens=cache[key])) + "\n")
+        output, lengths = replay(pipe, ids, builders, max_new_tokens, stop, cache[key])
+        for name, acc in lengths.items():
+            for group in {category, "all"}:
+                tokens[name][group] = tokens[name].get(group, 0) + len(output)
+                rounds[name][group] = rounds[name].get(group, 0) + len(acc)
+    return {name: {c: round(tokens[name][c] / max(rounds[name][c], 1), 3) for c in sorted(tokens[name])} for name in builders}
+
+
 class Trainer:
-    def __init__(self, target, cfg: TrainConfig, stage: str, vocab_prior: torch.Tensor | None = None):
+    def __init__(self, target, cfg: TrainConfig, stage: str, vocab_prior: torch.Tensor | None = None,
+                 tokenizer=None, prompts_dir: str | Path | None = None):
         """``vocab_prior``: token counts that rank the tokens the responses do not decide when a new
-        run picks its draft vocabulary (``reference_token_counts``)."""
+        run picks its draft vocabulary (``reference_token_counts``). ``tokenizer`` and ``prompts_dir``
+        label the sequences of shards that kept no sources (``label_original_sources``), so that they
+        are balanced by category and Alpaca's are left out."""
+        self.prompts_dir = prompts_dir
         self.cfg, self.stage = cfg, stage  # stage: "drafter" (backbone + Domino) or "markov"
         self.device = torch.device(cfg.device)
         self.target = target.to(self.device)
@@ -254,16 +311,29 @@ class Trainer:
         bad = [i for i in cfg.tapped if not 0 <= i < n_layers]
         if bad:
             raise DartreeError(f"tapped layers {bad} are out of range for a target with {n_layers} layers (0..{n_layers - 1})")
-        self._shards = shard_files(cfg.data)
-        seqs = load_shards(self._shards)
+        if cfg.balance not in BALANCE:
+            raise DartreeError(f"balance must be one of {', '.join(BALANCE)}, got {cfg.balance!r}")
+        self.tokenizer = tokenizer
+        self._shards = self._shard_files()
+        seqs = self._load(self._shards)
         if len(seqs) <= cfg.heldout_seqs:
             raise DartreeError(f"{cfg.data} holds {len(seqs)} usable sequences; training needs more than the "
                                f"{cfg.heldout_seqs} held out for evaluation")
         # Held-out sequences are drawn from the first 256 only (the first shards), so that data added
-        # in later sessions never moves a held-out sequence into training or the reverse.
+        # in later sessions never moves a held-out sequence into training or the reverse; likewise the
+        # held-out sequences of each category are its first ones in shard order.
         held = set(random.Random(cfg.seed).sample(range(min(len(seqs), 256)), min(cfg.heldout_seqs, len(seqs) - 1)))
         self.heldout = [seqs[i] for i in sorted(held)]
-        self.train_seqs = [seqs[i] for i in range(len(seqs)) if i not in held]
+        self.heldout_by_category: dict[str, list[Sequence]] = {}
+        for i, seq in enumerate(seqs):
+            group = self.heldout_by_category.setdefault(sequence_category(seq), [])
+            if i not in held and not self._excluded(seq) and len(group) < cfg.heldout_per_category:
+                group.append(seq)
+                held.add(i)
+        self.heldout_by_category = {c: g for c, g in sorted(self.heldout_by_category.items()) if g}
+        self.train_seqs: list[Sequence] = []
+        self._by_category: dict[str, list[int]] = {}
+        self._add_training([seqs[i] for i in range(len(seqs)) if i not in held])
         self.rng = random.Random(cfg.seed + 1)
         self._feature_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._feature_cache_bytes = 0
@@ -316,15 +386,43 @@ class Trainer:
             self.opt.load_state_dict(state["opt"])
         self.log = open(self.out / "metrics.jsonl", "a")
 
+    def _shard_files(self) -> list[Path]:
+        return [f for folder in self.cfg.data.split(",") if folder.strip() for f in shard_files(folder.strip())]
+
+    def _load(self, files: list[Path]) -> list[Sequence]:
+        seqs = load_shards(files)
+        if self.tokenizer is not None and self.prompts_dir is not None and Path(self.prompts_dir).is_dir():
+            label_original_sources(seqs, self.prompts_dir, self.tokenizer)
+        return seqs
+
+    def _excluded(self, seq: Sequence) -> bool:
+        return seq.source.partition("/")[0] in self.cfg.exclude_sources
+
+    def _add_training(self, seqs: list[Sequence]) -> int:
+        """Append the sequences that may be trained on; earlier ones keep their indices (feature cache keys)."""
+        kept = [s for s in seqs if not self._excluded(s)]
+        for seq in kept:
+            self._by_category.setdefault(sequence_category(seq), []).append(len(self.train_seqs))
+            self.train_seqs.append(seq)
+        return len(kept)
+
     def add_new_shards(self) -> int:
         """Append the sequences of shards written since the data was loaded (a data job running
         beside training); earlier sequences keep their indices, so the feature cache stays valid."""
         known = set(self._shards)
-        new = [f for f in shard_files(self.cfg.data) if f not in known]
-        added = load_shards(new)
+        new = [f for f in self._shard_files() if f not in known]
         self._shards += new
-        self.train_seqs += added
-        return len(added)
+        return self._add_training(self._load(new))
+
+    def category_counts(self) -> dict[str, int]:
+        return {c: len(ix) for c, ix in sorted(self._by_category.items())}
+
+    def draw_sequence(self) -> int:
+        """The index of the next training sequence: a category drawn uniformly, then one of its
+        sequences (``balance="category"``), or any sequence (``"none"``)."""
+        if self.cfg.balance == "category":
+            return self.rng.choice(self._by_category[self.rng.choice(sorted(self._by_category))])
+        return self.rng.randrange(len(self.train_seqs))
 
     def lr_at(self, step):
         warm = max(1, int(self.cfg.warmup * self.cfg.steps))
@@ -387,43 +485,55 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self):
-        """Held-out: loss, per-depth top-1 (base and corrected), simulated chain tau (base and
-        corrected) and the simulated tau of a real ``dartree`` tree (budget ``eval_tree_budget``)."""
+        """Held-out: loss, per-depth top-1 (base and corrected) and simulated chain tau (base and
+        corrected) at random anchors; the loss per category; and, where the drafter has a head, the
+        tau of ``dartree`` (budget ``eval_tree_budget``) by exact replay of the decoder's round on the
+        prompts of every held-out sequence (``replay_tau_by_category``), overall and per category."""
+        out = self._evaluate(self.heldout, key_base=-1)
+        by_category = {c: self._evaluate(seqs, key_base=-1_000 * (k + 2)) for k, (c, seqs) in enumerate(self.heldout_by_category.items())}
+        if by_category:
+            out["heldout_loss_by_category"] = {c: round(r["heldout_loss"], 4) for c, r in by_category.items()}
+        if self.model.head is not None and self.stage == "drafter":
+            out.update(self.replay_tau())
+        return out
+
+    def replay_items(self) -> list[tuple[str, torch.Tensor]]:
+        """The held-out sequences' prompts with their categories (the legacy ones count as "all" only)."""
+        items = [("", s.tokens[: s.prompt_len]) for s in self.heldout]
+        items += [(c, s.tokens[: s.prompt_len]) for c, seqs in self.heldout_by_category.items() for s in seqs]
+        return items
+
+    def replay_tau(self) -> dict:
+        # The decoder's pieces over the training drafter: a copy in the target's dtype (as a pipeline
+        # loads it), the Hugging Face forward of the frozen target, no cost model (fixed budget).
+        drafter = copy.deepcopy(self.model).to(dtype=self.target.dtype).eval()
+        pipe = Pipeline(self.target, drafter, self.tokenizer, lean=False, cost_model=None)
+        try:
+            builder = {"dartree": DARTreeBuilder(TreeSettings(budget=self.cfg.eval_tree_budget))}
+            tau = replay_tau_by_category(pipe, self.replay_items(), builder, self.cfg.eval_new_tokens,
+                                         self.out / "heldout-greedy.jsonl")["dartree"]
+        finally:
+            pipe.target.close()
+        key = f"replay_tau_dartree_b{self.cfg.eval_tree_budget}"
+        return {key: tau.pop("all"), f"{key}_by_category": {c: t for c, t in tau.items() if c}}
+
+    def _evaluate(self, seqs: list[Sequence], key_base: int) -> dict:
+        # Anchors come from one fixed generator and each held-out sequence's features are cached
+        # (negative keys, apart from the training sequences'), so every evaluation sees the same slots.
         rng = random.Random(12345)
-        builder = DARTreeBuilder(TreeSettings(budget=self.cfg.eval_tree_budget))
         to_target = self.model.draft_to_target
-        hits_b, hits_f, valids, losses, tree_tau = [], [], [], [], []
-        for seq in self.heldout:
-            l_final, _, hidden, base, final, a, labels, valid = self.sequence_losses(seq, rng, grad=False)
+        hits_b, hits_f, valids, losses = [], [], [], []
+        for i, seq in enumerate(seqs):
+            prepared = self.features(seq, key=key_base - i)
+            l_final, _, hidden, base, final, a, labels, valid = self.sequence_losses(seq, rng, grad=False, prepared=prepared)
             hits_b.append(chain_hits(base, to_target, labels, valid))
             hits_f.append(chain_hits(final, to_target, labels, valid))
             valids.append(valid)
             losses.append(l_final.item())
-            if self.model.head is not None and self.stage == "drafter":
-                tree_tau += [self._tree_acceptance(builder, int(seq.tokens[int(anchor)]), hidden[j], base[j], labels[j], valid[j])
-                             for j, anchor in enumerate(a.tolist())]
         hb, hf, v = torch.cat(hits_b), torch.cat(hits_f), torch.cat(valids)
         per_depth = lambda h: [round(x, 4) for x in (h.sum(0) / v.sum(0).clamp(min=1)).tolist()]  # noqa: E731
-        out = {"heldout_loss": sum(losses) / len(losses), "sim_tau_base": chain_tau(hb), "sim_tau_corrected": chain_tau(hf),
-               "top1_base": per_depth(hb), "top1_corrected": per_depth(hf)}
-        if tree_tau:
-            out[f"sim_tau_dartree_b{self.cfg.eval_tree_budget}"] = sum(tree_tau) / len(tree_tau)
-        return out
-
-    def _tree_acceptance(self, builder, bonus, hidden, base, labels, valid) -> int:
-        """Accepted length (bonus included) of the target's own continuation in a dartree tree."""
-        draft = DraftOutput(bonus=bonus, hidden=hidden, base_logits=base, d2t=self.model.d2t)
-        tree = builder.build_tree(draft, self.model.head)
-        children: dict[tuple[int, int], int] = {}
-        for row, (tok, parent) in enumerate(zip(tree.tokens.tolist(), tree.parents.tolist()), start=1):
-            children[(parent, tok)] = row
-        node, accepted = 0, 1
-        for k in range(labels.numel()):
-            if not bool(valid[k]) or (node, int(labels[k])) not in children:
-                break
-            node = children[(node, int(labels[k]))]
-            accepted += 1
-        return accepted
+        return {"heldout_loss": sum(losses) / len(losses), "sim_tau_base": chain_tau(hb), "sim_tau_corrected": chain_tau(hf),
+                "top1_base": per_depth(hb), "top1_corrected": per_depth(hf)}
 
     def save(self):
         ckpt = self.out / "checkpoint"
@@ -435,6 +545,15 @@ class Trainer:
         cfg = self.cfg
         t0 = time.perf_counter()
         bar = tqdm(total=cfg.steps, initial=self.step, desc=f"train {self.stage} ({self.device})", unit="step")
+        if self.log.tell() == 0 and self.step < cfg.steps:
+            # A new run folder: the starting point's held-out figures first (for a resumed drafter,
+            # what it reached before this data), so every later evaluation has its baseline.
+            self.model.eval()
+            record = {"step": self.step, "elapsed_s": 0.0, **self.evaluate()}
+            self.model.train()
+            bar.write(json.dumps(record))
+            self.log.write(json.dumps(record) + "\n")
+            self.log.flush()
         while self.step < cfg.steps:
             if cfg.max_minutes is not None and time.perf_counter() - t0 > 60 * cfg.max_minutes:
                 bar.write(f"time limit reached at step {self.step}; run again to resume")
@@ -447,7 +566,7 @@ class Trainer:
             self.opt.zero_grad(set_to_none=True)
             total = 0.0
             for _ in range(cfg.seqs_per_step):
-                index = self.rng.randrange(len(self.train_seqs))
+                index = self.draw_sequence()
                 seq = self.train_seqs[index]
                 prepared = self.features(seq, key=index)
                 l_final, l_base, *_ = self.sequence_losses(seq, self.rng, grad=True, prepared=prepared)
@@ -474,6 +593,7 @@ class Trainer:
 
 
 TRAINING_RECORD = "training.json"
+BALANCE = ("category", "none")
 
 
 def export(checkpoint: str | Path, dest: str | Path, dtype=torch.bfloat16, shared_backbone: str | None = None) -> None:
