@@ -80,16 +80,24 @@ def describe_machine() -> str:
     return f"{model}; flags: {' '.join(keep) or 'none of avx2/avx512/amx'}; {physical_cores()} physical cores"
 
 
+_threads_chosen: int | None = None  # the count set_threads last chose (None: torch's own default still stands)
+
+
 def set_threads(threads: int | None) -> int:
-    """Use ``threads`` CPU threads for torch (default: $OMP_NUM_THREADS when set, else the physical
-    cores; torch's own default counts every logical CPU it sees, which on a busy or SMT machine made a
-    decoding step ~10x slower)."""
+    """Use ``threads`` CPU threads for torch; returns the count in use. ``None`` keeps a count chosen
+    earlier in the process (the command line chooses once, before anything loads), else takes
+    $OMP_NUM_THREADS when set, else the physical cores: torch's own default counts every logical CPU
+    it sees, which on a busy or SMT machine made a decoding step ~10x slower."""
+    global _threads_chosen
     if threads is None:
+        if _threads_chosen is not None:
+            return torch.get_num_threads()
         env = os.environ.get("OMP_NUM_THREADS", "")
         threads = int(env) if env.isdigit() and int(env) > 0 else physical_cores()
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise DartreeError(f"threads must be an integer >= 1, got {threads!r}")
     torch.set_num_threads(threads)
+    _threads_chosen = threads
     return threads
 
 

@@ -248,8 +248,9 @@ def load(target: str | Path | None = None, drafter: str | Path | None = None, dt
     """Load a target (any HF causal LM directory) and a DFlash-format drafter.
 
     With no arguments: the bundled default model (SmolLM2-135M-Instruct) with the drafter shipped
-    in this repository, fully offline. ``threads``: CPU threads for torch (default: the physical
-    cores); it sets torch's process-wide thread count. ``dtype="auto"``: float32 on a CPU (exact),
+    in this repository, fully offline. ``threads``: CPU threads for torch; it sets torch's
+    process-wide thread count (default: the count chosen earlier in the process, e.g. by the command
+    line's --threads, else $OMP_NUM_THREADS, else the physical cores; ``hardware.set_threads``). ``dtype="auto"``: float32 on a CPU (exact),
     bfloat16 on a GPU. ``lean``: run the target on the lean forward (``lean.py``: Llama/Qwen3 on a
     CPU in float32/float64, row-invariant, so every method is token-exact by construction); "auto"
     (default) wherever it can run, True to insist, False for the Hugging Face forward.

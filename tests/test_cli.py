@@ -93,3 +93,25 @@ def test_bad_settings_are_rejected_before_any_model_loads(argv, message, monkeyp
     monkeypatch.setattr("dartree.pipeline.load_target", no_loading)
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_commands_threads_are_set_once_and_loading_keeps_them(model_dirs, monkeypatch, capsys):
+    """--threads is applied by the command line once, before anything loads; ``load`` (threads=None)
+    keeps that count rather than choosing again; an explicit count always wins."""
+    import torch
+
+    import dartree.hardware as hardware
+
+    before = torch.get_num_threads()
+    calls = []
+    real = torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: (calls.append(n), real(n)))
+    target, drafter = model_dirs[("llama", "target")], model_dirs[("llama", "domino")]
+    try:
+        assert main(["generate", "w1 w2", "--target", str(target), "--drafter", str(drafter), "--threads", "1",
+                     "-n", "2", "--budget", "4", "--json"]) == 0
+        assert calls == [1] and torch.get_num_threads() == 1
+        assert hardware.set_threads(None) == 1  # a later load keeps the chosen count
+        assert hardware.set_threads(2) == 2 and torch.get_num_threads() == 2
+    finally:
+        real(before)

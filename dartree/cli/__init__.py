@@ -8,6 +8,7 @@ import sys
 
 from ..calibration import load_or_measure
 from ..errors import DartreeError
+from ..hardware import set_threads
 from ..pipeline import load as load_pipeline
 from ..settings import DEFAULT_METHOD, GenerationSettings
 from ..trees import METHODS
@@ -77,7 +78,7 @@ def _run_generate(args) -> int:
     ).validate()
     if not args.prompt.strip():
         raise DartreeError("the prompt is empty; give some text")
-    pipe = load_pipeline(args.target, args.drafter, dtype=args.dtype, device=args.device, threads=args.threads)
+    pipe = load_pipeline(args.target, args.drafter, dtype=args.dtype, device=args.device)
     kwargs = dict(settings=settings)
     streaming = not args.json and pipe.tokenizer is not None
     if streaming:  # print the text as each round is verified
@@ -115,7 +116,7 @@ def _run_generate(args) -> int:
 def _run_calibrate(args) -> int:
     if args.context < 1:
         raise DartreeError(f"--context must be >= 1, got {args.context}")
-    pipe = load_pipeline(args.target, args.drafter, dtype=args.dtype, device=args.device, threads=args.threads, cost_model=None)
+    pipe = load_pipeline(args.target, args.drafter, dtype=args.dtype, device=args.device, cost_model=None)
     cost = load_or_measure(pipe.target, pipe.proposer, pipe.head, args.context, remeasure=args.remeasure)
     print(cost.to_json() if args.json else cost.table())
     if args.plot:
@@ -133,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
+        if hasattr(args, "threads"):  # the one place a command's thread count is set (``add_threads_arg``)
+            set_threads(args.threads)
         return args.func(args)
     except DartreeError as exc:
         print(f"dartree {args.command}: error: {exc}", file=sys.stderr)

@@ -15,7 +15,6 @@ from ..bench.runner import PEERS, build_grid, run, run_replay
 from ..bench.tree_timing import format_table, time_tree_builders
 from ..costmodel import CostModel
 from ..errors import DartreeError
-from ..hardware import set_threads
 from ..loading import parse_dtype
 from ..pipeline import load as load_pipeline
 from ..trees import METHODS, TreeSettings, builder_class
@@ -50,7 +49,6 @@ def _run_bench_tree(args) -> int:
 
     settings = tree_settings(args)
     settings = replace(settings, budget=settings.build_size)  # bench-tree times one fixed size
-    set_threads(args.threads)
     try:
         sizes = [tuple(int(x) for x in item.lower().split("x")) for item in args.sizes.split(",")]
         assert all(len(s) == 2 and s[0] > 0 and s[1] > 0 for s in sizes)
@@ -227,7 +225,7 @@ def run_bench(args) -> int:
         raise DartreeError("--replay measures temperature 0 only; drop --temperatures")
     if args.replay and len(dtypes) > 1:
         raise DartreeError("--replay takes one --dtype (replay measures acceptance, not time)")
-    pipes = {d: load_pipeline(args.target, args.drafter, dtype=d, threads=args.threads) for d in dtypes}
+    pipes = {d: load_pipeline(args.target, args.drafter, dtype=d) for d in dtypes}
     pipe = pipes[dtypes[0]]
     missing = [m for m in methods if m not in PEERS and m not in pipe.methods]
     if missing:

@@ -9,7 +9,7 @@ import torch
 from .. import lean
 from ..default_model import default_target_dir
 from ..errors import DartreeError
-from ..hardware import inexact_work_dtype, set_threads
+from ..hardware import inexact_work_dtype
 from ..loading import load_target, load_tokenizer, resolve_device
 from ..pipeline import Pipeline
 from ..train.data import NON_COMMERCIAL_SOURCES, generate_data, reference_token_counts
@@ -64,7 +64,6 @@ def add_train_parser(sub) -> None:
 def _run_data(args) -> int:
 
     target = Path(args.target) if args.target else default_target_dir()
-    set_threads(args.threads)
     device = resolve_device(args.device)
     if args.slots < 1:
         raise DartreeError(f"--slots must be >= 1, got {args.slots}")
@@ -149,7 +148,6 @@ def _run_train(args) -> int:
     torch.manual_seed(0)
     if args.layers is not None and args.layers < 1:
         raise DartreeError(f"--layers must be at least 1, got {args.layers}")
-    set_threads(args.threads)
     device = resolve_device(args.device)
     # The frozen target only computes features and teacher distributions: bf16 where it is native
     # (measured ~1.8x faster on an AVX-512-BF16 CPU). The drafter keeps fp32 weights, optimiser and
