@@ -38,6 +38,7 @@ from ..errors import DartreeError
 from ..loading import load_drafter, save_drafter
 from ..bench.replay import enough_greedy, replay
 from ..pipeline import Pipeline
+from ..products import cpu_products
 from ..trees import DARTreeBuilder, TreeBuilder, TreeSettings
 from .data import (NON_COMMERCIAL_SOURCES, Sequence, TrainingPrompt, expanded_prompts, label_original_sources, load_shards,
                    sequence_category, shard_files, target_features)
@@ -296,6 +297,7 @@ class Trainer:
         label the sequences of shards that kept no sources (``label_original_sources``), so that they
         are balanced by category and Alpaca's are left out."""
         self.prompts_dir = prompts_dir
+        self._eval_pipe: Pipeline | None = None  # the decoder's pieces for held-out replay (``replay_tau``)
         self.cfg, self.stage = cfg, stage  # stage: "drafter" (backbone + Domino) or "markov"
         self.device = torch.device(cfg.device)
         self.target = target.to(self.device)
@@ -504,16 +506,20 @@ class Trainer:
         return items
 
     def replay_tau(self) -> dict:
-        # The decoder's pieces over the training drafter: a copy in the target's dtype (as a pipeline
-        # loads it), the Hugging Face forward of the frozen target, no cost model (fixed budget).
-        drafter = copy.deepcopy(self.model).to(dtype=self.target.dtype).eval()
-        pipe = Pipeline(self.target, drafter, self.tokenizer, lean=False, cost_model=None)
-        try:
-            builder = {"dartree": DARTreeBuilder(TreeSettings(budget=self.cfg.eval_tree_budget))}
-            tau = replay_tau_by_category(pipe, self.replay_items(), builder, self.cfg.eval_new_tokens,
-                                         self.out / "heldout-greedy.jsonl")["dartree"]
-        finally:
-            pipe.target.close()
+        """The held-out tau by replay on the decoder's own pieces: the frozen target in float32 (on a
+        CPU the lean forward, as ``dartree.load`` runs it, whatever dtype training computes features
+        in; made once) and a float32 copy of the drafter as it is now, at a fixed budget."""
+        if self._eval_pipe is None:
+            target = self.target if self.target.dtype == torch.float32 else copy.deepcopy(self.target).float()
+            drafter = copy.deepcopy(self.model).float().eval()
+            if self.device.type == "cpu":
+                cpu_products(drafter, lean=True)
+            self._eval_pipe = Pipeline(target, drafter, self.tokenizer, cost_model=None)
+        pipe = self._eval_pipe
+        pipe.drafter.load_state_dict(self.model.state_dict())
+        builder = {"dartree": DARTreeBuilder(TreeSettings(budget=self.cfg.eval_tree_budget))}
+        tau = replay_tau_by_category(pipe, self.replay_items(), builder, self.cfg.eval_new_tokens,
+                                     self.out / "heldout-greedy.jsonl")["dartree"]
         key = f"replay_tau_dartree_b{self.cfg.eval_tree_budget}"
         return {key: tau.pop("all"), f"{key}_by_category": {c: t for c, t in tau.items() if c}}
 
