@@ -10,20 +10,25 @@ DATA=${DATA:-data/smollm2-selfdistill}
 # 1. The target writes responses to every training prompt (greedy, 1 shard in 4 at T=1), token ids only.
 .venv/bin/dartree train data --prompts ../shared/prompts --out "$DATA" --batch-size 64 --max-new-tokens 256 \
     --max-minutes "${DATA_MINUTES:-50}"
-# 2. Drafter + Domino head: reduced draft vocabulary, base-logit loss at every depth, 64 anchors per sequence.
-# Without a runs/ folder, --resume-from continues the shipped weights at the step recorded in their
-# training.json (the optimiser's moments start afresh); with one, training resumes from its local
-# checkpoint, optimiser state included. The shipped weights stopped at step 20800 of this 22500-step
-# cosine schedule (their training.json has the data, steps and losses; docs/default-model.md the
-# recipe). To train further, raise DRAFTER_STEPS: the cosine is recomputed for the new length, so the
-# learning rate rises again from the resumed step. Training rescans --data every 200 steps, so it can
-# run beside step 1 on the other core.
-.venv/bin/dartree train drafter --data "$DATA" --out runs/drafter-v2 --steps "${DRAFTER_STEPS:-22500}" \
-    --draft-vocab 8192 --anchors 64 --seqs-per-step 1 --eval-every 200 \
+# 1b. The target answers the expanded prompt set too (20 permissively licensed files, every category;
+# a held-out split of 40 prompts per file is never answered). Resumes at the first missing shard; the
+# committed shards are what the shipped drafter saw, so by default (EXPANDED_MINUTES=0) none are added.
+.venv/bin/dartree train data --prompt-set expanded --prompts ../shared/prompts --out data/smollm2-expanded \
+    --batch-size 64 --max-new-tokens 256 --slots 64 --max-minutes "${EXPANDED_MINUTES:-0}"
+# 2. Drafter + Domino head on both data folders: each step draws a category uniformly, then one of its
+# sequences (math is 45 % of the sequences, writing 1 %); Alpaca's sequences (CC BY-NC) are never
+# trained on; each category's first sequences are held out and evaluated apart (loss, and tau by
+# replay of the decoder's round). Without a runs/ folder, --resume-from continues the shipped weights
+# at the step recorded in their training.json (the optimiser's moments start afresh; the cosine is
+# recomputed for --steps, so the learning rate rises again from the resumed step: --lr is the peak of
+# that lengthened schedule); with one, training resumes from its local checkpoint, optimiser state
+# included. Training rescans --data every 200 steps, so it can run beside step 1b on the other core.
+.venv/bin/dartree train drafter --data "$DATA,data/smollm2-expanded" --out runs/drafter-v3 --steps "${DRAFTER_STEPS:-25600}" \
+    --lr 3e-3 --draft-vocab 8192 --anchors 64 --seqs-per-step 1 --eval-every 400 \
     --resume-from dartree/assets/smollm2-drafter-domino \
     --max-minutes "${DRAFTER_MINUTES:-95}" --export dartree/assets/smollm2-drafter-domino
 # 3. Markov head on the frozen backbone; the export writes only the head and reads the backbone
 # from the Domino drafter's file (config.json names it: backbone_weights).
-.venv/bin/dartree train markov --data "$DATA" --out runs/markov-v2 --init-drafter runs/drafter-v2/checkpoint \
+.venv/bin/dartree train markov --data "$DATA,data/smollm2-expanded" --out runs/markov-v3 --init-drafter runs/drafter-v3/checkpoint \
     --steps "${MARKOV_STEPS:-450}" --lr 3e-3 --anchors 64 --seqs-per-step 1 --eval-every 150 --max-minutes "${MARKOV_MINUTES:-8}" \
     --export dartree/assets/smollm2-drafter-markov --export-backbone ../smollm2-drafter-domino/model.safetensors
