@@ -432,3 +432,11 @@ def test_original_shards_are_labelled_by_their_prompts_text(monkeypatch):
     assert data_mod.label_original_sources(seqs, ".", Tok()) == 3
     assert [s.source for s in seqs] == ["gsm8k_train/math", "alpaca_train_2000/instruction", "mbpp_full/coding", "", "kept/open_qa"]
     assert [data_mod.sequence_category(s) for s in seqs] == ["math", "instruction", "coding", "unlabelled", "open_qa"]
+
+
+def test_labelling_without_the_original_prompt_files_leaves_sequences_unlabelled(tmp_path):
+    import dartree.train.data as data_mod
+
+    seqs = [data_mod.Sequence(torch.tensor([1, 9, 9]), 2)]
+    assert data_mod.label_original_sources(seqs, tmp_path, tokenizer=None) == 0
+    assert seqs[0].source == ""

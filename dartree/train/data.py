@@ -321,8 +321,12 @@ def label_original_sources(seqs: list[Sequence], prompts_dir: str | Path, tokeni
     unlabelled = [s for s in seqs if not s.source]
     if not unlabelled:
         return 0
+    try:
+        prompts = original_prompts(prompts_dir)
+    except (DartreeError, OSError):  # a prompts folder without the original files: nothing to label by
+        return 0
     by_tail: dict[str, set[str]] = {}
-    for p in original_prompts(prompts_dir):
+    for p in prompts:
         by_tail.setdefault(p.text.strip()[-100:], set()).add(f"{p.source}/{p.category}")
     texts = tokenizer.batch_decode([s.tokens[:s.prompt_len] for s in unlabelled])
     done = 0
