@@ -169,13 +169,11 @@ def measure(target, proposer: DraftProposer | None = None, head: CorrectionHead 
         if head is not None:
             draft = timed[-1][0]
             builder = make_builder("dartree", TreeSettings(budget=max_budget))
-            def after_a_round():  # a target forward, then the round's drafter call, as before a real build
-                draft_call()
-
-            tree_ms = _median_ms(lambda: builder.build_tree(draft, head), repeats, after_a_round)
+            # each build after a target forward and the round's drafter call (draft_call), as in a round
+            tree_ms = _median_ms(lambda: builder.build_tree(draft, head), repeats, draft_call)
             for size in DRAFT_BATCHES:  # the trees of several requests built together
                 tree_batch_ms[size] = _median_ms(lambda: build_trees([builder] * size, [draft] * size, head, [max_budget] * size),
-                                                 repeats, after_a_round)
+                                                 repeats, draft_call)
     target.reset_slot(0)
     target.capture = True
     return CostModel(identity(target, proposer), context, verify_ms, draft_ms, tree_ms, draft_batch_ms, tree_batch_ms)

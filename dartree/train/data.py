@@ -45,11 +45,6 @@ ORIGINAL_FILES = {"gsm8k_train": "math", "alpaca_train_2000": "instruction", "do
 NON_COMMERCIAL_SOURCES = ("alpaca_train_2000",)
 
 
-def training_prompts(prompts_dir: str | Path, seed: int = 0) -> list[str]:
-    """All prompts of the original set, formatted like the evaluation prompts, shuffled deterministically."""
-    return [p.text for p in original_prompts(prompts_dir, seed)]
-
-
 def original_prompts(prompts_dir: str | Path, seed: int = 0) -> list[TrainingPrompt]:
     """The original set (GSM8K, Alpaca, Dolly, MBPP train ids) in its one fixed shuffle, each prompt
     with the file it came from: the shuffle permutes by position only, so labelling the prompts does

@@ -547,6 +547,16 @@ class Trainer:
         torch.save({"step": self.step, "opt": self.opt.state_dict(), "rng": self.rng.getstate(), "config": asdict(self.cfg)},
                    self.out / "trainer.pt")
 
+    def _record(self, record: dict, bar, evaluate: bool) -> None:
+        """Append ``record`` to metrics.jsonl; with ``evaluate``, the held-out figures added first (and printed)."""
+        if evaluate:
+            self.model.eval()
+            record.update(self.evaluate())
+            self.model.train()
+            bar.write(json.dumps(record))
+        self.log.write(json.dumps(record) + "\n")
+        self.log.flush()
+
     def run(self):
         cfg = self.cfg
         t0 = time.perf_counter()
@@ -554,12 +564,7 @@ class Trainer:
         if self.log.tell() == 0 and self.step < cfg.steps:
             # A new run folder: the starting point's held-out figures first (for a resumed drafter,
             # what it reached before this data), so every later evaluation has its baseline.
-            self.model.eval()
-            record = {"step": self.step, "elapsed_s": 0.0, **self.evaluate()}
-            self.model.train()
-            bar.write(json.dumps(record))
-            self.log.write(json.dumps(record) + "\n")
-            self.log.flush()
+            self._record({"step": self.step, "elapsed_s": 0.0}, bar, evaluate=True)
         while self.step < cfg.steps:
             if cfg.max_minutes is not None and time.perf_counter() - t0 > 60 * cfg.max_minutes:
                 bar.write(f"time limit reached at step {self.step}; run again to resume")
@@ -585,13 +590,7 @@ class Trainer:
             bar.update(1)
             bar.set_postfix(loss=f"{total:.3f}", lam=f"{lam:.2f}")
             record = {"step": self.step, "loss": total, "lr": lr, "lambda": lam, "elapsed_s": time.perf_counter() - t0}
-            if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
-                self.model.eval()
-                record.update(self.evaluate())
-                self.model.train()
-                bar.write(json.dumps(record))
-            self.log.write(json.dumps(record) + "\n")
-            self.log.flush()
+            self._record(record, bar, evaluate=self.step % cfg.eval_every == 0 or self.step == cfg.steps)
             if self.step % cfg.save_every == 0 or self.step == cfg.steps:
                 self.save()
         self.save()
