@@ -62,7 +62,8 @@ class BudgetPolicy:
     plain_left: int = 0  # plain steps to take before the next probe
     lost_probes: int = 0  # consecutive back-offs without a winning round in between
     probe_scale: float = 1.0  # the last round's stretch of the back-off (``BudgetChoice.probe_scale``)
-    start_plain: int = 0  # plain steps a request forked from this policy starts with (the last one ended backed off)
+    start_plain: int = 0  # plain steps a request forked from this policy starts with (the last one ended backed off in a batch)
+    start_lost: int = 0  # ... and the lost probes it starts with (how deep in the back-off)
     history: list[int] = field(default_factory=list)  # per round: nodes verified; 0: the root alone; -1: a plain step, no draft
     parent: "BudgetPolicy | None" = field(default=None, repr=False, compare=False)  # the policy it was forked from
 
@@ -84,14 +85,21 @@ class BudgetPolicy:
         if self.parent is not None:
             self.parent.predicted, self.parent.accepted = list(self.predicted), list(self.accepted)
             # only after a back-off in a batch: alone, a first-round probe costs the request only its own time
+            # In a batch the regime that made its probes lose (rows no longer nearly free) holds for the
+            # next request too: it starts as deep in the back-off as this one ended.
             backed_off_in_batch = self.lost_probes > 0 and self.probe_scale > 1.0
-            self.parent.start_plain = round(self.probe_scale * self.probe_every) if backed_off_in_batch else 0
+            self.parent.start_lost = self.lost_probes if backed_off_in_batch else 0
+            self.parent.start_plain = self._back_off_steps(self.lost_probes - 1) if backed_off_in_batch else 0
 
     def start_request(self) -> None:
         """A new generation starts with speculation on (or, forked after a request that ended backed
         off, as if its first probe had lost); the calibration carries over."""
-        start = self.parent.start_plain if self.parent is not None else 0
-        self.value, self.plain_left, self.lost_probes = 1.0, start, int(start > 0)
+        start, lost = (self.parent.start_plain, self.parent.start_lost) if self.parent is not None else (0, 0)
+        self.value, self.plain_left, self.lost_probes = 1.0, start, lost
+
+    def _back_off_steps(self, lost_before: int) -> int:
+        """Plain steps after a lost probe that followed ``lost_before`` lost ones (stretched in a batch)."""
+        return round(self.probe_scale * min(self.probe_every * 2 ** lost_before, self.max_probe_every))
 
     # ------------------------------------------------------------- decisions
     def speculate(self) -> bool:
@@ -149,7 +157,7 @@ class BudgetPolicy:
         if self.value < 1.0:
             # Back off: a drafter that keeps losing is probed ever less often (each probe costs a
             # drafter call and a tree build); a probe is judged afresh.
-            self.plain_left = round(choice.probe_scale * min(self.probe_every * 2 ** self.lost_probes, self.max_probe_every))
+            self.plain_left = self._back_off_steps(self.lost_probes)
             self.lost_probes += 1
             self.value = 1.0
         else:

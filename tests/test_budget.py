@@ -330,6 +330,33 @@ def test_in_a_batch_a_lost_probe_waits_longer_and_the_next_request_starts_backed
     assert after.speculate()
 
 
+def test_in_a_batch_the_next_request_starts_as_deep_in_the_back_off_as_the_last_one_ended():
+    """Two lost probes in a batch double the wait before the third; a request forked after that one
+    starts with the doubled wait and, if its first probe loses too, waits twice as long again
+    (capped at max_probe_every, stretched), rather than probing afresh after probe_every."""
+    from dartree.budget import cut_batch
+
+    cost = synthetic_cost(10.0, 0.5, draft_ms=30.0)
+    hopeless = ranked_tree([0.05, 0.01])
+    scale = 8 * 10.0 / 13.5
+    shared = BudgetPolicy(cost, probe_every=4, max_probe_every=32)
+    batch = [shared.fork() for _ in range(8)]
+    for p in batch:
+        p.start_request()
+    for waited in (0, round(scale * 4)):
+        for p in batch:
+            assert [p.speculate() for _ in range(waited + 1)] == [False] * waited + [True]
+        cut_batch([(p, hopeless) for p in batch], 8, 8.0)
+    assert batch[0].lost_probes == 2
+    batch[0].hand_back()
+    joining = shared.fork()
+    joining.start_request()
+    doubled = round(scale * 8)
+    assert [joining.speculate() for _ in range(doubled + 1)] == [False] * doubled + [True]
+    cut_batch([(joining, hopeless)] + [(p, hopeless) for p in batch[1:]], 8, 8.0)
+    assert joining.plain_left == round(scale * 16) and joining.lost_probes == 3
+
+
 def test_the_cost_model_is_handed_to_the_pipeline_and_never_measured_inside_generate(model_dirs, monkeypatch):
     """cost_model="auto" (the default) measures this machine's model when the pipeline is made; a
     generate call never starts a calibration. With cost_model=None, budget "auto" is refused with
