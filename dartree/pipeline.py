@@ -206,6 +206,7 @@ class Pipeline:
         width: int | None = None,
         top_k: int | None = None,
         beta: float | None = None,
+        max_budget: int | None = None,
         sampling_top_k: int | None = None,
         top_p: float | None = None,
         stop_token_ids: list[int] | None = None,
@@ -223,7 +224,7 @@ class Pipeline:
         the prompt first, then each round's verified tokens as soon as the round ends."""
         settings = GenerationSettings.from_kwargs(
             settings, method=method, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, budget=budget,
-            width=width, top_k=top_k, beta=beta, sampling_top_k=sampling_top_k, top_p=top_p,
+            width=width, top_k=top_k, beta=beta, max_budget=max_budget, sampling_top_k=sampling_top_k, top_p=top_p,
         ).validate()
         ids = self.encode(prompt, messages, input_ids)
         self.check_request(ids, settings)

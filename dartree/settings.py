@@ -20,22 +20,47 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _setting(default, help: str, flags: tuple[str, ...], request: str, parse, *, low=None, high=None, low_open=False,
+             off: tuple = (), aliases: tuple[str, ...] = (), choices: tuple[str, ...] | None = None, dartree_only=False):
+    """One generation setting's declaration, as ``trees.base._setting`` declares a tree setting: its
+    default, its help, its command-line flags, its field in a request body of ``dartree serve`` (with
+    the range a request may give, request values that mean "off" as in vLLM's OpenAI server, other
+    field names that take precedence, and whether the field is dartree's own rather than OpenAI's)
+    and how to read it from text. The CLI arguments and the server's request fields derive from these."""
+    expects = {int: "an integer", float: "a number", str: "a name"}[parse]
+    return field(default=default, metadata={
+        "help": help, "flags": flags, "request": request, "parse": parse, "expects": expects, "low": low, "high": high,
+        "low_open": low_open, "off": off, "aliases": aliases, "choices": choices, "dartree_only": dartree_only})
+
+
 @dataclass(frozen=True)
 class GenerationSettings:
-    method: str = DEFAULT_METHOD
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    seed: int | None = 0
-    sampling_top_k: int | None = None  # top-k of the target's distribution (temperature > 0)
-    top_p: float | None = None  # nucleus of the target's distribution (temperature > 0)
+    method: str = _setting(DEFAULT_METHOD, "decoding method", ("--method", "-m"), "method", str,
+                           choices=tuple(BUILDERS), dartree_only=True)
+    max_new_tokens: int = _setting(256, "most tokens to generate", ("--max-new-tokens", "-n"), "max_tokens", int, low=1,
+                                   aliases=("max_completion_tokens",))
+    temperature: float = _setting(0.0, "0 = greedy; > 0 samples from the target's distribution", ("--temperature", "-t"),
+                                  "temperature", float, low=0, high=2)
+    seed: int | None = _setting(0, "seed of the request's own sampler (temperature > 0)", ("--seed",), "seed", int)
+    # top-k of the target's distribution: a request's "top_k", as in vLLM (DARTree's K is "tree_top_k")
+    sampling_top_k: int | None = _setting(None, "top-k sampling on the target (temperature > 0)", ("--sampling-top-k",),
+                                          "top_k", int, low=-1, off=(-1, 0))
+    top_p: float | None = _setting(None, "nucleus sampling on the target (temperature > 0)", ("--top-p",), "top_p", float,
+                                   low=0, high=1, low_open=True, off=(1,))
     tree: TreeSettings = field(default_factory=TreeSettings)
+
+    @classmethod
+    def declarations(cls):
+        """The generation settings' dataclass fields (the tree's own are ``TreeSettings.declarations``),
+        each with its ``metadata``."""
+        return tuple(f for f in fields(cls) if f.name != "tree")
 
     @classmethod
     def from_kwargs(cls, base: "GenerationSettings | None" = None, **kwargs) -> "GenerationSettings":
         """``base`` (default: the defaults) with any of its own fields or the tree's fields replaced;
         None values keep the base's. Unknown names are an error."""
         base = base or cls()
-        own = {f.name for f in fields(cls)} - {"tree"}
+        own = {f.name for f in cls.declarations()}
         tree_names = set(TreeSettings.__dataclass_fields__)
         unknown = set(kwargs) - own - tree_names
         if unknown:

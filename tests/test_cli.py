@@ -115,3 +115,51 @@ def test_a_commands_threads_are_set_once_and_loading_keeps_them(model_dirs, monk
         assert hardware.set_threads(2) == 2 and torch.get_num_threads() == 2
     finally:
         real(before)
+
+
+def test_every_generation_and_tree_setting_is_one_declaration_that_the_cli_the_api_and_the_server_derive():
+    """Each declared setting is a flag of ``generate`` and ``serve`` (its default the declared one,
+    parsed by its declaration), a keyword of ``Pipeline.generate`` and a field the server reads: a
+    setting added to ``GenerationSettings`` or ``TreeSettings`` reaches all of them or this fails."""
+    import inspect
+
+    from dartree.cli import build_parser
+    from dartree.cli.args import generation_settings
+    from dartree.pipeline import Pipeline
+    from dartree.server.protocol import parse_request
+    from dartree.settings import GenerationSettings
+    from dartree.trees import TreeSettings
+
+    declared = list(GenerationSettings.declarations()) + list(TreeSettings.declarations())
+    parser = build_parser()
+    for command in (["generate", "hi"], ["serve"]):
+        defaults = parser.parse_args(command)
+        assert generation_settings(defaults) == GenerationSettings()
+        given = GenerationSettings(method="ddtree", max_new_tokens=7, temperature=0.5, seed=3, sampling_top_k=5, top_p=0.9,
+                                   tree=TreeSettings(budget=8, width=3, top_k=9, beta=-0.5, max_budget=32))
+        argv = list(command)
+        for s in declared:
+            value = getattr(given.tree if s.name in TreeSettings.__dataclass_fields__ else given, s.name)
+            argv += [s.metadata["flags"][0], str(value)]
+        assert generation_settings(parser.parse_args(argv)) == given
+    keywords = set(inspect.signature(Pipeline.generate).parameters)
+    assert {s.name for s in declared} <= keywords
+    body = {"messages": [{"role": "user", "content": "x"}], "method": "ddtree", "max_tokens": 7, "temperature": 0.5,
+            "seed": 3, "top_k": 5, "top_p": 0.9, "budget": 8, "width": 3, "tree_top_k": 9, "beta": -0.5, "max_budget": 32}
+    assert {s.metadata["request"] for s in declared} == set(body) - {"messages"}
+    assert parse_request(body, GenerationSettings(), chat=True)[1] == given
+
+
+def test_a_request_turns_off_what_the_servers_defaults_turn_on_as_in_vllm():
+    """top_k -1 or 0 and top_p 1 turn sampling top-k / nucleus off even where the server's defaults set
+    them; max_completion_tokens wins over max_tokens; a field left out keeps the server's default."""
+    from dartree.server.protocol import parse_request
+    from dartree.settings import GenerationSettings
+
+    defaults = GenerationSettings(temperature=1.0, sampling_top_k=20, top_p=0.8, max_new_tokens=50)
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    assert parse_request(chat, defaults, chat=True)[1] == defaults
+    for off in ({"top_k": -1}, {"top_k": 0}):
+        assert parse_request({**chat, **off}, defaults, chat=True)[1].sampling_top_k is None
+    settings = parse_request({**chat, "top_p": 1, "max_tokens": 9, "max_completion_tokens": 4}, defaults, chat=True)[1]
+    assert settings.top_p is None and settings.sampling_top_k == 20 and settings.max_new_tokens == 4

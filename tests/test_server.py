@@ -218,6 +218,9 @@ def test_a_disconnect_mid_stream_frees_the_engine(served):
     (json.dumps({"messages": [{"role": "user", "content": "w1"}], "max_tokens": "many"}), "'max_tokens' must be an integer"),
     (json.dumps({"messages": [{"role": "user", "content": "w1"}], "temperature": "hot"}), "'temperature' must be a number"),
     (json.dumps({"messages": [{"role": "user", "content": "w1"}], "stream": "yes"}), "'stream' must be true or false"),
+    (json.dumps({"messages": [{"role": "user", "content": "w1"}], "top_p": 0}), "'top_p' must be > 0"),
+    (json.dumps({"messages": [{"role": "user", "content": "w1"}], "top_k": -2}), "'top_k' must be >= -1"),
+    (json.dumps({"messages": [{"role": "user", "content": "w1"}], "method": 3}), "'method' must be a string"),
     (json.dumps({"messages": [{"role": "user", "content": "w1 " * 300}]}), "context"),
 ])
 def test_bad_input_is_a_400_with_a_message(served, body, message):

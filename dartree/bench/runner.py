@@ -26,12 +26,8 @@ from ..settings import GenerationSettings
 from ..trees import BUILDERS, TreeSettings, make_builder
 from . import llama_cpp
 from .datasets import Sample
-from .replay import enough_greedy, replay
-
-try:  # POSIX: lets shards of one run (``dartree bench --shard``) append to the same records file
-    import fcntl
-except ImportError:  # pragma: no cover - Windows runs one shard per folder
-    fcntl = None
+from .records import GreedyAnswers, append_line, read_records
+from .replay import replay
 
 HF_PEERS = ("hf-generate", "hf-prompt-lookup")
 PEERS = (*HF_PEERS, *llama_cpp.LLAMA_PEERS)  # other engines decoding the same target, timed beside ours
@@ -110,34 +106,6 @@ def build_grid(methods, temperatures, budgets=(TreeSettings.budget,), dtypes=("f
                 for combo in itertools.product(*(choices[n] for n in crossed)):
                     grid.append(RunConfig(m, t, dtype=dtype, budget=budget, **dict(zip(crossed, combo))))
     return list(dict.fromkeys(grid))
-
-
-def read_records(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    out = []
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if line:
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError:  # a line cut by an interrupted run
-                    continue
-    return out
-
-
-def append_line(sink, record: dict) -> None:
-    """Append one JSON line whole, under an exclusive lock, so concurrent shards never interleave."""
-    line = json.dumps(record) + "\n"
-    if fcntl is not None:
-        fcntl.flock(sink.fileno(), fcntl.LOCK_EX)
-    try:
-        sink.write(line)
-        sink.flush()
-    finally:
-        if fcntl is not None:
-            fcntl.flock(sink.fileno(), fcntl.LOCK_UN)
 
 
 def _sha1(tokens: list[int]) -> str:
@@ -302,21 +270,17 @@ def run_replay(pipe, samples: list[Sample], grid: list[RunConfig], out_path: Pat
     require(cost is not None or not policies, "replaying budget 'auto' needs a cost model")
     # The greedy tokens are the expensive part (a full ar run): keep them, so further grids on the
     # same prompts (ablations) reuse them.
-    greedy_path = out_path.parent / "greedy.jsonl"
-    greedy_cache = {(g["dataset"], g["sample_id"], g["turn"], g["max_new_tokens"]): g["tokens"] for g in read_records(greedy_path)}
-    with open(out_path, "a") as sink, open(greedy_path, "a") as greedy_sink:
+    greedy = GreedyAnswers(out_path.parent / "greedy.jsonl", ("dataset", "sample_id", "turn", "max_new_tokens"))
+    with open(out_path, "a") as sink:
         for sample in tqdm(todo, desc="replay", unit="prompt"):
             messages, turns = [], {c.key: [] for c in configs}
             for index, turn in enumerate(sample.turns):
                 messages.append({"role": "user", "content": turn})
                 ids = pipe.encode(messages=list(messages))
-                cache_key = (sample.dataset, sample.sample_id, index, max_new_tokens)
-                if cache_key not in greedy_cache:
-                    greedy_cache[cache_key] = enough_greedy(pipe, ids, max_new_tokens, stop)
-                    append_line(greedy_sink, dict(zip(("dataset", "sample_id", "turn", "max_new_tokens"), cache_key),
-                                                  tokens=greedy_cache[cache_key]))
+                answer = greedy.tokens(pipe, ids, max_new_tokens, stop, dataset=sample.dataset, sample_id=sample.sample_id,
+                                       turn=index, max_new_tokens=max_new_tokens)
                 tree_seconds, modeled_ms = {}, {}
-                output, lengths = replay(pipe, ids, builders, max_new_tokens, stop, greedy_cache[cache_key],
+                output, lengths = replay(pipe, ids, builders, max_new_tokens, stop, answer,
                                          timings=tree_seconds, cost=cost, policies=policies, modeled=modeled_ms)
                 for key, acc in lengths.items():
                     turns[key].append({"token_ids": output, "new_tokens": len(output), "rounds": len(acc),

@@ -10,9 +10,7 @@ from ..calibration import load_or_measure
 from ..errors import DartreeError
 from ..hardware import set_threads
 from ..pipeline import load as load_pipeline
-from ..settings import DEFAULT_METHOD, GenerationSettings
-from ..trees import METHODS
-from .args import OneLineErrorParser, add_model_args, add_threads_arg, add_tree_args, tree_settings
+from .args import OneLineErrorParser, add_generation_args, add_model_args, add_threads_arg, add_tree_args, generation_settings
 from .bench import add_bench_parser, add_bench_tree_parser
 from .serve import add_serve_parser
 from .train import add_train_parser
@@ -33,15 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("prompt", help="the user message (wrapped in the chat template when the tokenizer has one)")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template; feed the prompt text as is")
-    defaults = GenerationSettings()
-    gen.add_argument("--method", "-m", default=DEFAULT_METHOD, choices=METHODS, metavar="METHOD",
-                     help=f"decoding method, one of {', '.join(METHODS)} (default {DEFAULT_METHOD})")
-    gen.add_argument("--max-new-tokens", "-n", type=int, default=defaults.max_new_tokens,
-                     help=f"most tokens to generate (default {defaults.max_new_tokens})")
-    gen.add_argument("--temperature", "-t", type=float, default=defaults.temperature, help="0 = greedy (default); > 0 samples")
-    gen.add_argument("--top-p", type=float, default=None, help="nucleus sampling on the target (temperature > 0)")
-    gen.add_argument("--sampling-top-k", type=int, default=None, help="top-k sampling on the target (temperature > 0)")
-    gen.add_argument("--seed", type=int, default=defaults.seed, help=f"random seed (default {defaults.seed})")
+    add_generation_args(gen)
     gen.add_argument("--json", action="store_true", help="print a machine-readable JSON result")
     add_threads_arg(gen)
     add_model_args(gen)
@@ -72,10 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _run_generate(args) -> int:
     # Every setting is checked before the model loads (which takes seconds).
-    settings = GenerationSettings(
-        method=args.method, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
-        sampling_top_k=args.sampling_top_k, top_p=args.top_p, tree=tree_settings(args),
-    ).validate()
+    settings = generation_settings(args)
     if not args.prompt.strip():
         raise DartreeError("the prompt is empty; give some text")
     pipe = load_pipeline(args.target, args.drafter, dtype=args.dtype, device=args.device)

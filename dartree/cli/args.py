@@ -1,9 +1,10 @@
-"""Command-line pieces every subcommand shares: one-line errors, model and tree arguments, threads."""
+"""Command-line pieces every subcommand shares: one-line errors, model, generation and tree arguments, threads."""
 
 from __future__ import annotations
 
 import argparse
 
+from ..settings import GenerationSettings
 from ..trees import BUILDERS, TreeSettings
 
 
@@ -15,9 +16,12 @@ class OneLineErrorParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
+def add_model_args(p: argparse.ArgumentParser, dtype_and_device: bool = True) -> None:
+    """--target and --drafter; and --dtype and --device, unless the command declares its own (the bench's dtype list)."""
     p.add_argument("--target", help="target model directory (any Hugging Face causal LM); default: bundled SmolLM2-135M-Instruct")
     p.add_argument("--drafter", help="drafter directory in the DFlash on-disk format; default: the drafter shipped with dartree")
+    if not dtype_and_device:
+        return
     p.add_argument("--dtype", default="auto",
                    help="auto (default: float32 on a CPU, exact; bfloat16 on a GPU), float32, bfloat16, float16 or float64")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N, or auto (a GPU when there is one)")
@@ -26,6 +30,26 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def add_threads_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for torch (default: the physical cores; on a busy machine fewer is faster)")
+
+
+def add_generation_args(p: argparse.ArgumentParser, names: tuple[str, ...] | None = None, defaults_of: str = "") -> None:
+    """The generation settings' arguments (--method, --max-new-tokens, --temperature, ...), as
+    ``GenerationSettings`` declares them; ``names``: only these; ``defaults_of``: what the values
+    are the defaults of (the server's requests), for the help."""
+    for setting in GenerationSettings.declarations():
+        if names is not None and setting.name not in names:
+            continue
+        meta = setting.metadata
+        choices = f", one of {', '.join(meta['choices'])}" if meta["choices"] else ""
+        p.add_argument(*meta["flags"], dest=setting.name, type=_argument_type(setting), default=setting.default,
+                       choices=meta["choices"], metavar=setting.name.upper() if meta["choices"] else None,
+                       help=f"{defaults_of}{meta['help']}{choices} (default {setting.default})")
+
+
+def generation_settings(args) -> GenerationSettings:
+    """The validated GenerationSettings of the parsed generation and tree arguments."""
+    own = {s.name: getattr(args, s.name) for s in GenerationSettings.declarations() if hasattr(args, s.name)}
+    return GenerationSettings(**own, tree=tree_settings(args)).validate()
 
 
 def add_tree_args(p: argparse.ArgumentParser) -> None:

@@ -17,8 +17,9 @@ from ..costmodel import CostModel
 from ..errors import DartreeError
 from ..loading import parse_dtype
 from ..pipeline import load as load_pipeline
+from ..settings import GenerationSettings
 from ..trees import METHODS, TreeSettings, builder_class
-from .args import add_threads_arg, add_tree_args, tree_settings
+from .args import add_generation_args, add_model_args, add_threads_arg, add_tree_args, tree_settings
 
 DEFAULT_METHODS = ",".join(METHODS + PEERS)
 
@@ -105,11 +106,11 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--temperatures", default="0", help="comma list, e.g. 0,1 (default 0)")
     add_tree_list_args(p)
     p.add_argument("--limit", type=int, default=20, help="prompts per dataset (seeded selection; default 20)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--seed", type=int, default=0)
+    add_generation_args(p, ("max_new_tokens",))
+    p.add_argument("--seed", type=int, default=GenerationSettings.seed,
+                   help=f"seed of the prompt selection and of every request's sampler (default {GenerationSettings.seed})")
     p.add_argument("--data-dir", help="folder with the benchmark files (default ../shared/benchmarks)")
-    p.add_argument("--target", help="target directory (default: bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--drafter", help="drafter directory (default: the shipped one)")
+    add_model_args(p, dtype_and_device=False)
     p.add_argument("--dtype", default="float32",
                    help="float32 (default), bfloat16, auto, or several comma-separated (e.g. float32,bfloat16): the whole grid "
                         "runs in each, side by side in one process, each dtype against its own ar")

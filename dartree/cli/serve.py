@@ -1,4 +1,4 @@
-"""`dartree serve`: the OpenAI-compatible server's command line (the server itself is ``server.py``)."""
+"""`dartree serve`: the OpenAI-compatible server's command line (the server itself is ``dartree.server``)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ from ..costmodel import default_max_batch
 from ..errors import DartreeError
 from ..pipeline import load as load_pipeline
 from ..server import DART_FIELDS, create_app
-from ..settings import GenerationSettings
-from .args import add_model_args, add_threads_arg, add_tree_args, tree_settings
+from .args import add_generation_args, add_model_args, add_threads_arg, add_tree_args, generation_settings
 
 
 def add_serve_parser(sub) -> None:
@@ -30,9 +29,7 @@ def add_serve_parser(sub) -> None:
                    help="requests decoded together in one round (default: from this machine's cost model, the most "
                    "requests whose one-row forward costs at most twice a single request's, up to 16; 1 on the Hugging "
                    "Face forward, which holds one request)")
-    p.add_argument("--method", "-m", default=GenerationSettings.method, help=f"default method (default {GenerationSettings.method})")
-    p.add_argument("--max-new-tokens", "-n", type=int, default=GenerationSettings.max_new_tokens,
-                   help=f"default max_tokens of a request (default {GenerationSettings.max_new_tokens})")
+    add_generation_args(p, defaults_of="requests' default: ")
     add_threads_arg(p)
     add_model_args(p)
     add_tree_args(p)
@@ -43,7 +40,7 @@ def _run_serve(args) -> int:
 
     import uvicorn
 
-    defaults = GenerationSettings(method=args.method, max_new_tokens=args.max_new_tokens, tree=tree_settings(args)).validate()
+    defaults = generation_settings(args)
     if not 0 < args.port < 65536:
         raise DartreeError(f"--port must be between 1 and 65535, got {args.port}")
     if args.max_queue < 1:

@@ -108,6 +108,10 @@ def add_drafter_args(steps) -> None:
         p.add_argument("--draft-vocab", type=int, default=TrainConfig.draft_vocab,
                        help="reduced draft vocabulary V_d: the most frequent target-written tokens (0: the target's whole vocabulary)")
         p.add_argument("--base-weight", type=float, default=TrainConfig.base_weight, help="weight of the base-logit loss after the curriculum")
+        p.add_argument("--hard-weight", type=float, default=TrainConfig.hard_weight,
+                       help="share of cross-entropy on the target's own tokens beside the distillation term (soft "
+                       "cross-entropy to the target's distribution, i.e. KL up to a constant): 0 pure KL, 1 pure CE "
+                       f"(default {TrainConfig.hard_weight})")
         p.add_argument("--tapped", default=",".join(map(str, TrainConfig().tapped)), help="target layers the drafter reads")
         p.add_argument("--layers", type=int, default=TrainConfig.layers,
                        help="drafter layers (default: 1 for a new drafter; a resumed one keeps its own, or with "
@@ -148,6 +152,8 @@ def _run_train(args) -> int:
     torch.manual_seed(0)
     if args.layers is not None and args.layers < 1:
         raise DartreeError(f"--layers must be at least 1, got {args.layers}")
+    if not 0.0 <= args.hard_weight <= 1.0:
+        raise DartreeError(f"--hard-weight must be between 0 and 1, got {args.hard_weight}")
     device = resolve_device(args.device)
     # The frozen target only computes features and teacher distributions: bf16 where it is native
     # (measured ~1.8x faster on an AVX-512-BF16 CPU). The drafter keeps fp32 weights, optimiser and
@@ -155,7 +161,7 @@ def _run_train(args) -> int:
     dtype = inexact_work_dtype(args.dtype, device)
     target = load_target(Path(args.target) if args.target else default_target_dir(), dtype, device)
     cfg = TrainConfig(data=args.data, out=args.out, steps=args.steps, seqs_per_step=args.seqs_per_step, anchors=args.anchors,
-                      draft_vocab=args.draft_vocab, base_weight=args.base_weight, tapped=[int(x) for x in args.tapped.split(",")],
+                      draft_vocab=args.draft_vocab, base_weight=args.base_weight, hard_weight=args.hard_weight, tapped=[int(x) for x in args.tapped.split(",")],
                       layers=args.layers, gru=args.gru, rank=args.rank, markov_rank=args.markov_rank, lr=args.lr,
                       eval_every=args.eval_every, save_every=args.eval_every, max_minutes=args.max_minutes,
                       device=str(device), autocast=inexact_work_dtype(args.compute_dtype, device) == torch.bfloat16,

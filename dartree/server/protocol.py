@@ -2,15 +2,17 @@
 an HTTP 400 with an OpenAI-style error body), and text assembled from token ids with stop strings."""
 
 import json
+from dataclasses import replace
 
 from ..errors import DartreeError
 from ..settings import GenerationSettings
 from ..trees import TreeSettings
 
-# dartree's own settings as extra body fields -> their GenerationSettings names. ``top_k`` itself is
-# sampling top-k, as in vLLM's OpenAI server; DARTree's K (candidates per depth) is ``tree_top_k``.
-# dartree's own request fields -> GenerationSettings keywords: the method and every tree setting under its declared name
-DART_FIELDS = {"method": "method", **{s.metadata["request"]: s.name for s in TreeSettings.declarations()}}
+# dartree's own request fields (the method and every tree setting, under their declared names) ->
+# GenerationSettings keywords. ``top_k`` itself is sampling top-k, as in vLLM's OpenAI server; DARTree's
+# K (candidates per depth) is ``tree_top_k``.
+DART_FIELDS = {**{s.metadata["request"]: s.name for s in GenerationSettings.declarations() if s.metadata["dartree_only"]},
+               **{s.metadata["request"]: s.name for s in TreeSettings.declarations()}}
 
 
 class RequestError(Exception):
@@ -38,6 +40,30 @@ def _number(body, name, low=None, high=None, integer=False, low_open=False):
     return value
 
 
+def _generation_fields(body) -> tuple[dict, dict]:
+    """The generation settings a request body gives, by their declarations (``GenerationSettings``):
+    (settings it sets, settings it turns off, e.g. vLLM's ``top_k: -1``)."""
+    given, off = {}, {}
+    for setting in GenerationSettings.declarations():
+        meta = setting.metadata
+        for name in (*meta["aliases"], meta["request"]):  # the first field present wins
+            if meta["parse"] is str:
+                value = body.get(name)
+                if value is not None and not isinstance(value, str):  # the registry lookup needs a hashable name
+                    raise RequestError(f"'{name}' must be a string", param=name)
+            else:
+                value = _number(body, name, meta["low"], meta["high"], meta["parse"] is int, meta["low_open"])
+            if value is not None:
+                break
+        if value is None:
+            continue
+        if value in meta["off"]:
+            off[setting.name] = None
+        else:
+            given[setting.name] = value
+    return given, off
+
+
 def parse_request(body, defaults: GenerationSettings, chat: bool):
     """(messages or prompt, settings, stop strings, stream, include_usage) of a request body."""
     if not isinstance(body, dict):
@@ -60,15 +86,6 @@ def parse_request(body, defaults: GenerationSettings, chat: bool):
     n = _number(body, "n", integer=True)
     if n is not None and n != 1:
         raise RequestError(f"'n' must be 1: one completion per request (got {n})", param="n")
-    max_tokens = _number(body, "max_completion_tokens", low=1, integer=True)
-    if max_tokens is None:
-        max_tokens = _number(body, "max_tokens", low=1, integer=True)
-    temperature = _number(body, "temperature", low=0, high=2)
-    top_p = _number(body, "top_p", low=0, high=1, low_open=True)
-    seed = _number(body, "seed", integer=True)
-    sampling_top_k = _number(body, "top_k", low=-1, integer=True)
-    if sampling_top_k is not None and sampling_top_k <= 0:  # vLLM: -1 (or 0) turns top-k off
-        sampling_top_k = None
     stop = body.get("stop")
     if stop is None:
         stop = []
@@ -82,14 +99,11 @@ def parse_request(body, defaults: GenerationSettings, chat: bool):
     options = body.get("stream_options") or {}
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
         raise RequestError("'stream_options' must be an object like {\"include_usage\": true}", param="stream_options")
-    extra = {field: body[name] for name, field in DART_FIELDS.items() if body.get(name) is not None}
-    if "method" in extra and not isinstance(extra["method"], str):  # the registry lookup needs a hashable name
-        raise RequestError("'method' must be a string", param="method")
-    # the tree settings are checked by TreeSettings.validate below, as for every caller
+    given, off = _generation_fields(body)
+    tree = {field: body[name] for name, field in DART_FIELDS.items() if field in TreeSettings.__dataclass_fields__
+            and body.get(name) is not None}  # checked by TreeSettings.validate below, as for every caller
     try:
-        settings = GenerationSettings.from_kwargs(
-            defaults, max_new_tokens=max_tokens, temperature=temperature, top_p=top_p if top_p != 1 else None,
-            sampling_top_k=sampling_top_k, seed=seed, **extra).validate()
+        settings = replace(GenerationSettings.from_kwargs(defaults, **given, **tree), **off).validate()
     except DartreeError as exc:
         raise RequestError(str(exc)) from None
     return source, settings, stop, stream, bool(options.get("include_usage", False))

@@ -36,7 +36,8 @@ from tqdm import tqdm
 from ..drafter import DrafterConfig, DrafterLayer, DrafterModel
 from ..errors import DartreeError
 from ..loading import load_drafter, save_drafter
-from ..bench.replay import enough_greedy, replay
+from ..bench.records import GreedyAnswers
+from ..bench.replay import replay
 from ..pipeline import Pipeline
 from ..products import cpu_products
 from ..trees import DARTreeBuilder, TreeBuilder, TreeSettings
@@ -266,22 +267,14 @@ def replay_tau_by_category(pipe: Pipeline, items: list[tuple[str, torch.Tensor]]
     ids, the length and the target's dtype."""
     stop = pipe.default_stop_ids()
     dtype = str(pipe.target_model.dtype).removeprefix("torch.")
-    cache: dict[tuple, list[int]] = {}
-    if greedy_path is not None and greedy_path.is_file():
-        for line in greedy_path.read_text().splitlines():
-            g = json.loads(line)
-            cache[(g["prompt_sha1"], g["max_new_tokens"], g["dtype"])] = g["tokens"]
+    greedy = GreedyAnswers(greedy_path, ("prompt_sha1", "max_new_tokens", "dtype"))
     tokens = {name: {} for name in builders}
     rounds = {name: {} for name in builders}
     for category, ids in items:
         ids = ids.reshape(-1).to(pipe.device)
-        key = (hashlib.sha1(str(ids.tolist()).encode()).hexdigest(), max_new_tokens, dtype)
-        if key not in cache:
-            cache[key] = enough_greedy(pipe, ids, max_new_tokens, stop)
-            if greedy_path is not None:
-                with open(greedy_path, "a") as f:
-                    f.write(json.dumps(dict(zip(("prompt_sha1", "max_new_tokens", "dtype"), key), tokens=cache[key])) + "\n")
-        output, lengths = replay(pipe, ids, builders, max_new_tokens, stop, cache[key])
+        answer = greedy.tokens(pipe, ids, max_new_tokens, stop, prompt_sha1=hashlib.sha1(str(ids.tolist()).encode()).hexdigest(),
+                               max_new_tokens=max_new_tokens, dtype=dtype)
+        output, lengths = replay(pipe, ids, builders, max_new_tokens, stop, answer)
         for name, acc in lengths.items():
             for group in {category, "all"}:
                 tokens[name][group] = tokens[name].get(group, 0) + len(output)
