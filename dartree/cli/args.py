@@ -43,7 +43,7 @@ def add_generation_args(p: argparse.ArgumentParser, names: tuple[str, ...] | Non
         choices = f", one of {', '.join(meta['choices'])}" if meta["choices"] else ""
         p.add_argument(*meta["flags"], dest=setting.name, type=_argument_type(setting), default=setting.default,
                        choices=meta["choices"], metavar=setting.name.upper() if meta["choices"] else None,
-                       help=f"{defaults_of}{meta['help']}{choices} (default {setting.default})")
+                       help=f"{defaults_of}{meta['help']}{choices} (default {'off' if setting.default is None else setting.default})")
 
 
 def generation_settings(args) -> GenerationSettings:
