@@ -84,9 +84,9 @@ class BudgetPolicy:
         and whether the next request starts backed off (this one ended so)."""
         if self.parent is not None:
             self.parent.predicted, self.parent.accepted = list(self.predicted), list(self.accepted)
-            # only after a back-off in a batch: alone, a first-round probe costs the request only its own time
-            # In a batch the regime that made its probes lose (rows no longer nearly free) holds for the
-            # next request too: it starts as deep in the back-off as this one ended.
+            # Only after a back-off in a batch, where the regime that made its probes lose (rows no longer
+            # nearly free) holds for the next request too: it starts as deep in the back-off as this one
+            # ended. Alone, a first-round probe costs the request only its own time.
             backed_off_in_batch = self.lost_probes > 0 and self.probe_scale > 1.0
             self.parent.start_lost = self.lost_probes if backed_off_in_batch else 0
             self.parent.start_plain = self._back_off_steps(self.lost_probes - 1) if backed_off_in_batch else 0

@@ -100,8 +100,8 @@ def parse_request(body, defaults: GenerationSettings, chat: bool):
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
         raise RequestError("'stream_options' must be an object like {\"include_usage\": true}", param="stream_options")
     given, off = _generation_fields(body)
-    tree = {field: body[name] for name, field in DART_FIELDS.items() if field in TreeSettings.__dataclass_fields__
-            and body.get(name) is not None}  # checked by TreeSettings.validate below, as for every caller
+    tree = {s.name: body[s.metadata["request"]] for s in TreeSettings.declarations()
+            if body.get(s.metadata["request"]) is not None}  # checked by TreeSettings.validate below, as for every caller
     try:
         settings = replace(GenerationSettings.from_kwargs(defaults, **given, **tree), **off).validate()
     except DartreeError as exc:
