@@ -65,6 +65,10 @@ class BudgetPolicy:
     start_plain: int = 0  # plain steps a request forked from this policy starts with (the last one ended backed off in a batch)
     start_lost: int = 0  # ... and the lost probes it starts with (how deep in the back-off)
     history: list[int] = field(default_factory=list)  # per round: nodes verified; 0: the root alone; -1: a plain step, no draft
+    # Running expected tokens a drafted round adds by prefix size (index b: the best b nodes; a running
+    # mean of the calibrated trees of the last drafted rounds, weight ``smoothing``): what ``plan_drafting``
+    # expects of drafting this request before its drafter call. None: nothing drafted yet.
+    expected_gains: list[float] | None = None
     parent: "BudgetPolicy | None" = field(default=None, repr=False, compare=False)  # the policy it was forked from
 
     def __post_init__(self):
@@ -76,6 +80,7 @@ class BudgetPolicy:
         ``hand_back`` returns its calibration when the request ends, so the next requests start from it."""
         other = replace(self, history=[])
         other.predicted, other.accepted = list(self.predicted), list(self.accepted)
+        other.expected_gains = list(self.expected_gains) if self.expected_gains is not None else None
         other.parent = self
         return other
 
@@ -84,6 +89,8 @@ class BudgetPolicy:
         and whether the next request starts backed off (this one ended so)."""
         if self.parent is not None:
             self.parent.predicted, self.parent.accepted = list(self.predicted), list(self.accepted)
+            if self.expected_gains is not None:
+                self.parent.expected_gains = list(self.expected_gains)
             # Only after a back-off in a batch, where the regime that made its probes lose (rows no longer
             # nearly free) holds for the next request too: it starts as deep in the back-off as this one
             # ended. Alone, a first-round probe costs the request only its own time.
@@ -96,6 +103,26 @@ class BudgetPolicy:
         off, as if its first probe had lost); the calibration carries over."""
         start, lost = (self.parent.start_plain, self.parent.start_lost) if self.parent is not None else (0, 0)
         self.value, self.plain_left, self.lost_probes = 1.0, start, lost
+
+    def skip(self) -> None:
+        """This round is a plain step although the policy would have drafted (``plan_drafting``
+        found that drafting cannot pay in this batch); its back-off is untouched."""
+        self.history.append(-1)
+
+    def note_gains(self, probs: list[float]) -> None:
+        """Fold one drafted round's calibrated node probabilities (rank order) into ``expected_gains``."""
+        cum = [0.0]
+        for p in probs:
+            cum.append(cum[-1] + p)
+        if self.expected_gains is None:
+            self.expected_gains = cum
+            return
+        old = self.expected_gains
+        n = max(len(old), len(cum))
+        # A tree built smaller than before says nothing of its larger prefixes: both curves stay flat past their ends.
+        old = old + [old[-1]] * (n - len(old))
+        cum = cum + [cum[-1]] * (n - len(cum))
+        self.expected_gains = [a + self.smoothing * (b - a) for a, b in zip(old, cum)]
 
     def _back_off_steps(self, lost_before: int) -> int:
         """Plain steps after a lost probe that followed ``lost_before`` lost ones (stretched in a batch)."""
@@ -180,7 +207,8 @@ class BudgetPolicy:
             self.accepted[d] += 1.0 if (i + 1) in on_path else 0.0
 
 
-def choose_batch(items: list[tuple[BudgetPolicy, DraftTree]], fixed_rows: int, base_tokens: float) -> list[BudgetChoice]:
+def choose_batch(items: list[tuple[BudgetPolicy, DraftTree]], fixed_rows: int, base_tokens: float,
+                 prompt_rows: int = 0) -> list[BudgetChoice]:
     """One budget across a batch (DARTree's global top-B, taken across requests).
 
     ``items``: each speculating request's policy and ranked tree; ``fixed_rows``: the rows the round's
@@ -190,11 +218,14 @@ def choose_batch(items: list[tuple[BudgetPolicy, DraftTree]], fixed_rows: int, b
     which is a tree), and the round takes the m of them that maximise
     (base_tokens + sum of their p) / t_forward(fixed_rows + m), m = 0 (no speculation) included: as
     the batch grows and rows stop being nearly free, it speculates less. With one request this is
-    the single-request choice exactly."""
+    the single-request choice exactly. ``prompt_rows`` of ``fixed_rows`` are prompt chunks: their
+    time is not the decoding requests' (``_decode_ms``), only what the nodes add to that forward is."""
     cost = items[0][0].cost
     probs = []
     for policy, tree in items:
         probs.append(policy.probabilities(tree)[tree.rank.cpu()].tolist() if len(tree) and tree.rank is not None else [])
+        if probs[-1]:
+            policy.note_gains(probs[-1])
     # k-way merge by each request's next node (ties: the earlier request, then the earlier rank).
     heads = [0] * len(items)
     order: list[int] = []
@@ -208,7 +239,8 @@ def choose_batch(items: list[tuple[BudgetPolicy, DraftTree]], fixed_rows: int, b
         heads[best] += 1
     gain = base_tokens + torch.cumsum(torch.tensor([0.0] + gains, dtype=torch.float64), 0)
     ms = torch.tensor([cost.verify(fixed_rows + m) for m in range(len(gains) + 1)], dtype=torch.float64)
-    m = int(torch.argmax(gain / ms))  # the first of equal rates: fewer rows; the cost curve is a staircase
+    decode_ms = _decode_ms(cost, fixed_rows, prompt_rows)
+    m = int(torch.argmax(gain / (decode_ms + ms - ms[0])))  # the first of equal rates: fewer rows; the cost curve is a staircase
     counts = [0] * len(items)
     for i in order[:m]:
         counts[i] += 1
@@ -218,7 +250,7 @@ def choose_batch(items: list[tuple[BudgetPolicy, DraftTree]], fixed_rows: int, b
     # plain batch's rate: a request whose nodes lose the rows (or whose drafter call costs more than its
     # tokens bring) backs off and takes plain steps until its next probe.
     choices = []
-    plain_rate = base_tokens / cost.verify(fixed_rows)
+    plain_rate = base_tokens / decode_ms
     # A probe holds up the whole batch: its back-off is stretched by the batch's plain throughput
     # over a lone request's (1 alone, so a single request's schedule is unchanged).
     batch = max(int(round(base_tokens)), 1)
@@ -235,8 +267,75 @@ def choose_batch(items: list[tuple[BudgetPolicy, DraftTree]], fixed_rows: int, b
     return choices
 
 
-def cut_batch(items: list[tuple[BudgetPolicy, DraftTree]], fixed_rows: int, base_tokens: float) -> list[DraftTree]:
+def _decode_ms(cost: CostModel, fixed_rows: int, prompt_rows: int) -> float:
+    """What the round's tokens are weighed against: the time of its forward without the prompt
+    chunks it also carries. A prompt chunk must be read anyway; charging its time to the decoding
+    requests would make a long prefill forward look slow, so that any tokens its extra rows bring,
+    at almost no extra time, would seem to pay however costly the drafter call that made them."""
+    return cost.verify(max(fixed_rows - prompt_rows, 1))
+
+
+def cut_batch(items: list[tuple[BudgetPolicy, DraftTree]], fixed_rows: int, base_tokens: float,
+              prompt_rows: int = 0) -> list[DraftTree]:
     """Each request's tree to verify this round under ``choose_batch``, with each policy's state
     updated as ``BudgetPolicy.cut`` updates it."""
-    choices = choose_batch(items, fixed_rows, base_tokens)
+    choices = choose_batch(items, fixed_rows, base_tokens, prompt_rows)
     return [policy.apply(tree, c) for (policy, tree), c in zip(items, choices)]
+
+
+# The most tree nodes a batch's drafting plan considers in all (the calibration times forwards up to 128 rows).
+PLAN_MAX_NODES = 128
+
+
+def _merged_gains(curves: list[list[float]], most: int) -> list[float]:
+    """The requests' expected-gain curves merged best increment first, as ``choose_batch`` merges the
+    trees' nodes (a curve's increments fall with rank, so a merge is a sort): cumulative gain by
+    total nodes, from 0, up to ``most`` nodes."""
+    steps = sorted((b - a for c in curves for a, b in zip(c, c[1:])), reverse=True)[:most]
+    total = [0.0]
+    for g in steps:
+        total.append(total[-1] + g)
+    return total
+
+
+def plan_drafting(policies: list[BudgetPolicy], fixed_rows: int, base_tokens: float, prompt_rows: int = 0) -> list[bool]:
+    """Before a batch's drafter call: which of the requests about to draft should (True), when
+    drafting is priced as ``choose_batch`` prices it but with each request's ``expected_gains`` for
+    its tree not yet drawn.
+
+    Drafting k requests costs the round k shares of one batched drafter call and of one batch of
+    tree builds, plus the rows their nodes add to a forward of ``fixed_rows``; it commits
+    ``base_tokens`` plus their expected gains. The plan takes the k (the requests with the most to
+    gain first) and the nodes that maximise expected tokens per ms, k = 0 (no drafter call at all)
+    included, so that where rows and drafter calls cost more than the drafter can bring the batch
+    does not even probe. A request with nothing drafted yet (no estimate) always drafts: its round
+    is what the estimate is made of. The plan costs no drafter call; it is re-made every round, so
+    drafting returns as soon as the batch shrinks or a request's expected gains grow."""
+    cost = policies[0].cost
+    decode_ms = _decode_ms(cost, fixed_rows, prompt_rows)
+    known = sorted((i for i, p in enumerate(policies) if p.expected_gains is not None),
+                   key=lambda i: policies[i].expected_gains[-1], reverse=True)  # the most to gain first
+    unknown = len(policies) - len(known)
+
+    def calls_ms(drafting: int) -> float:  # the shares of one drafter call and one batch of builds
+        return drafting * (cost.draft_share(drafting) + cost.tree_share(drafting)) if drafting else 0.0
+
+    rates = [base_tokens / (decode_ms + calls_ms(unknown))]  # k = 0: only the requests with no estimate draft
+    # First a bound that is cheap to take: every gain at no extra rows. Where even that loses (a
+    # batch too large for the drafter's tokens to pay its calls, the usual case), nothing more to weigh.
+    total = 0.0
+    bound = []
+    for k, i in enumerate(known, start=1):
+        total += policies[i].expected_gains[-1]
+        bound.append((base_tokens + total) / (decode_ms + calls_ms(k + unknown)))
+    if max(bound, default=0.0) <= rates[0]:
+        return [p.expected_gains is None for p in policies]
+    most = min(PLAN_MAX_NODES, sum(len(policies[i].expected_gains) - 1 for i in known))
+    verify_ms = [cost.verify(fixed_rows + m) for m in range(most + 1)]
+    for k in range(1, len(known) + 1):
+        gains = _merged_gains([policies[i].expected_gains for i in known[:k]], most)
+        fixed_ms = decode_ms + calls_ms(k + unknown) - verify_ms[0]
+        rates.append(max((base_tokens + g) / (fixed_ms + verify_ms[m]) for m, g in enumerate(gains)))
+    best_k = max(range(len(rates)), key=rates.__getitem__)  # the first of equal rates: fewer drafter calls
+    chosen = set(known[:best_k])
+    return [p.expected_gains is None or i in chosen for i, p in enumerate(policies)]

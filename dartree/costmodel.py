@@ -10,8 +10,9 @@ does not, and how much it costs depends on the chip, the dtype and the thread co
 from __future__ import annotations
 
 import json
+import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from .errors import DartreeError
@@ -56,7 +57,7 @@ class CostModel:
         return sum(self.round_ms(n) if d else self.verify(1) for n, d in zip(tree_sizes, drafted, strict=True))
 
     def to_json(self) -> str:
-        raw = asdict(self)
+        raw = {f.name: getattr(self, f.name) for f in fields(CostModel)}  # a MeasuredCostModel's scales are this process's
         raw["verify_ms"] = {str(k): v for k, v in self.verify_ms.items()}
         raw["draft_batch_ms"] = {str(k): v for k, v in self.draft_batch_ms.items()}
         raw["tree_batch_ms"] = {str(k): v for k, v in self.tree_batch_ms.items()}
@@ -111,6 +112,73 @@ class CostModel:
         fig.savefig(path, dpi=120)
         plt.close(fig)
         return path
+
+
+# The stages whose time a serving engine measures against the calibration (``MeasuredCostModel``).
+MEASURED_STAGES = ("verify", "draft", "tree")
+
+
+@dataclass
+class MeasuredCostModel(CostModel):
+    """The calibration's times, each stage scaled by what this process measures while it serves.
+
+    A cost model is measured once and cached; the machine it then serves on is not always the one it
+    was measured on: a job on the other core, a guest whose host got busier, a longer context. On a
+    2-core guest a calibration taken beside a one-thread job priced a one-row forward at 34.8 ms and a
+    drafter call at 7.6 ms; serving alone, the forward took 16-20 ms and the call 8-9 ms, so drafting
+    cost twice what the budget believed and auto lost 5-14 % to ``ar`` at 8 clients. The engine reports
+    each round's forward, batched drafter call and tree build with what the calibration predicted
+    (``observe``); each stage's scale is a running geometric mean of measured / predicted (weight
+    ``weight`` for the newest round), and every price the budget asks for is the calibration's times
+    that scale. The curve's shape (what n rows cost against one) stays the calibration's.
+
+    Opt-in (``Pipeline.engine(measured_costs=True)``, the server): the budget's choices then depend
+    on the clock, so ``generate``, the bench and replay keep the fixed model and stay reproducible."""
+
+    weight: float = 0.1
+    scales: dict[str, float] = field(default_factory=lambda: dict.fromkeys(MEASURED_STAGES, 1.0))
+    observed: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MEASURED_STAGES, 0))
+
+    @classmethod
+    def following(cls, base: CostModel, weight: float = 0.1) -> "MeasuredCostModel":
+        if not 0.0 < weight <= 1.0:
+            raise DartreeError(f"weight must be in (0, 1], got {weight}")
+        return cls(**{f.name: getattr(base, f.name) for f in fields(CostModel)}, weight=weight)
+
+    def observe(self, stage: str, predicted_ms: float, measured_ms: float) -> None:
+        """One measurement of ``stage`` (``MEASURED_STAGES``) that the calibration priced at ``predicted_ms``."""
+        if stage not in self.scales:
+            raise DartreeError(f"unknown stage {stage!r}; measured stages: {', '.join(MEASURED_STAGES)}")
+        if predicted_ms <= 0.0 or measured_ms <= 0.0:
+            return
+        # One stalled round (a page fault, the host stealing the core) may not swing the budget:
+        # a single ratio counts at most 4x either way.
+        ratio = min(max(measured_ms / predicted_ms, 0.25), 4.0)
+        w = self.weight if self.observed[stage] else 1.0  # the first measurement replaces the guess of 1
+        self.scales[stage] = math.exp((1.0 - w) * math.log(self.scales[stage]) + w * math.log(ratio))
+        self.observed[stage] += 1
+
+    # The calibration's own prices, what ``observe`` compares a measurement with.
+    def calibrated_verify(self, rows: int) -> float:
+        return CostModel.verify(self, rows)
+
+    def calibrated_draft(self, requests: int) -> float:
+        return CostModel.draft_share(self, requests) * max(requests, 1)
+
+    def calibrated_tree(self, requests: int) -> float:
+        return CostModel.tree_share(self, requests) * max(requests, 1)
+
+    def verify(self, rows: int) -> float:
+        return CostModel.verify(self, rows) * self.scales["verify"]
+
+    def draft_share(self, requests: int) -> float:
+        return CostModel.draft_share(self, requests) * self.scales["draft"]
+
+    def tree_share(self, requests: int) -> float:
+        return CostModel.tree_share(self, requests) * self.scales["tree"]
+
+    def round_ms(self, nodes: int) -> float:
+        return self.draft_share(1) + self.tree_share(1) + self.verify(nodes + 1)
 
 
 def _piecewise(table: dict[int, float], x: int) -> float:

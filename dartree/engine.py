@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .budget import BudgetPolicy, cut_batch
+from .budget import BudgetPolicy, cut_batch, plan_drafting
+from .costmodel import MeasuredCostModel
 from .drafter import DraftProposer, draft_batch
 from .heads import CorrectionHead
 from .trees import DraftTree, TreeBuilder, build_trees
@@ -229,16 +230,36 @@ class _Walk:
 
 
 @torch.no_grad()
-def run_round(target, requests: list[Request], head: CorrectionHead | None = None, prefill_rows: int | None = None) -> None:
-    """One round over ``requests`` (each holding a slot of ``target``): see the module docstring."""
+def run_round(target, requests: list[Request], head: CorrectionHead | None = None, prefill_rows: int | None = None,
+              costs: MeasuredCostModel | None = None) -> None:
+    """One round over ``requests`` (each holding a slot of ``target``): see the module docstring.
+    ``costs``: where given, the round's forward, batched drafter call and tree build are reported to
+    it with what its calibration priced them at (the budget then weighs what it measures)."""
     clock = _StageClock(target.device)
     decoding = [r for r in requests if not r.prefilling]
     if prefill_rows is None:
         prefill_rows = target.prefill_chunk if not decoding else PREFILL_ROWS_BESIDE_DECODING
 
+    # This round's prompt chunks: the prefilling requests in order, sharing ``prefill_rows``.
+    chunks: dict[int, int] = {}
+    left = prefill_rows
+    for r in requests:
+        if r.prefilling and left > 0:
+            chunks[id(r)] = min(left, r.prompt_ids.numel() - r.prefilled)
+            left -= chunks[id(r)]
+
     # 1. one drafter call for the requests that speculate this round (a request's first call, which
     # also takes in its whole prompt, runs alone rather than pad the others to its length).
     speculating = [r for r in decoding if r.uses_drafter and (r.policy is None or r.policy.speculate())]
+    planned = [r for r in speculating if r.policy is not None]
+    if len(decoding) > 1 and planned:  # in a batch, a drafter call that cannot pay is not even made
+        go = plan_drafting([r.policy for r in planned], len(decoding) + sum(chunks.values()), float(len(decoding)), sum(chunks.values()))
+        skipped = {id(r) for r, drafting in zip(planned, go) if not drafting}
+        for r in planned:
+            if id(r) in skipped:
+                r.policy.skip()
+        speculating = [r for r in speculating if id(r) not in skipped]
+    continuing = [r for r in speculating if r.drafted]
     drafts: dict[int, object] = {}
 
     def draft(group: list[Request]) -> None:
@@ -253,10 +274,15 @@ def run_round(target, requests: list[Request], head: CorrectionHead | None = Non
             if not r.drafted:  # the first draft call also prefills the drafter: not decode time
                 r.drafted, r.decode_start = True, time.perf_counter()
 
-    for group in [[r] for r in speculating if not r.drafted] + [[r for r in speculating if r.drafted]]:
-        if group:
-            _together(group, draft)
+    for group in [[r] for r in speculating if not r.drafted]:
+        _together(group, draft)
+    continuing_s = time.perf_counter()
+    if continuing:
+        _together(continuing, draft)
+    continuing_s = time.perf_counter() - continuing_s
     clock.lap("draft")
+    if costs is not None and continuing:  # a first call also reads its prompt: not what the model prices
+        costs.observe("draft", costs.calibrated_draft(len(continuing)), 1000.0 * continuing_s)
     # 2. each decoding request's method builds its tree (``ar``'s is empty; a drafting method's needs
     # this round's draft: without one, after a back-off or a failed call, the round is a plain step),
     # requests of one method and settings together (``trees.build_trees``), then one cut across the batch.
@@ -268,22 +294,21 @@ def run_round(target, requests: list[Request], head: CorrectionHead | None = Non
         trees.update((id(r), tree) for r, tree in zip(group, built))
 
     building = [r for r in decoding if not r.finished and (not r.uses_drafter or id(r) in drafts)]
+    build_s = time.perf_counter()
     if building:
         _together(building, build)
+    build_s = time.perf_counter() - build_s
     clock.lap("tree")
+    # The model prices dartree builds under the budget (the trees auto cuts); other methods' builds are not priced.
+    priced = [r for r in building if r.policy is not None and id(r) in drafts]
+    if costs is not None and priced and len(priced) == len(building):
+        costs.observe("tree", costs.calibrated_tree(len(priced)), 1000.0 * build_s)
     requests = [r for r in requests if not r.finished]
     decoding = [r for r in decoding if not r.finished]
-    # This round's prompt chunks: the prefilling requests in order, sharing ``prefill_rows``.
-    chunks: dict[int, int] = {}
-    left = prefill_rows
-    for r in requests:
-        if r.prefilling and left > 0:
-            chunks[id(r)] = min(left, r.prompt_ids.numel() - r.prefilled)
-            left -= chunks[id(r)]
     ranked = [r for r in decoding if r.policy is not None and id(r) in trees]
     if ranked:
         fixed_rows = len(decoding) + sum(chunks.values()) + sum(len(trees[id(r)]) for r in decoding if r.policy is None and id(r) in trees)
-        for r, tree in zip(ranked, cut_batch([(r.policy, trees[id(r)]) for r in ranked], fixed_rows, float(len(decoding)))):
+        for r, tree in zip(ranked, cut_batch([(r.policy, trees[id(r)]) for r in ranked], fixed_rows, float(len(decoding)), sum(chunks.values()))):
             trees[id(r)] = tree
         clock.lap("tree")
 
@@ -306,6 +331,7 @@ def run_round(target, requests: list[Request], head: CorrectionHead | None = Non
         return
     target.capture = bool(target.tapped_layers) and any(r.uses_drafter for r, _ in plans)
     starts = [target.slot_length(p.slot) for p in parts]
+    forward_s = time.perf_counter()
     outputs = target.forward_parts(parts)
 
     # The output layer over the rows each request needs first (a finished prompt's last row; the
@@ -320,6 +346,8 @@ def run_round(target, requests: list[Request], head: CorrectionHead | None = Non
     gathered = [h[rows] for (h, _), rows in zip(outputs, asks) if rows]
     logits = target.lm_head(torch.cat(gathered)) if gathered else None
     clock.lap("verify")
+    if costs is not None:  # the calibration timed a forward with its first output-layer rows, as here
+        costs.observe("verify", costs.calibrated_verify(sum(p.tokens.numel() for p in parts)), 1000.0 * (time.perf_counter() - forward_s))
 
     # 4. commit: every decoding request walks its tree with its own choices; the walks run together,
     # so each further ask of the output layer (where the target leaves a likely path) is one product
@@ -396,11 +424,12 @@ class Engine:
     """Requests join and leave between rounds: ``submit`` queues one, ``step`` admits waiting requests
     into free slots (up to ``max_batch``) and runs one round over every active request."""
 
-    def __init__(self, target, head: CorrectionHead | None = None, max_batch: int = 1):
+    def __init__(self, target, head: CorrectionHead | None = None, max_batch: int = 1, costs: MeasuredCostModel | None = None):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.target = target
         self.head = head
+        self.costs = costs  # where given, every admitted request's budget weighs what the rounds measure
         self.max_batch = target.reserve_slots(max_batch)
         self.free = list(range(self.max_batch))
         self.active: list[Request] = []
@@ -428,6 +457,8 @@ class Engine:
                 ended.append(r)
                 continue
             r.slot = self.free.pop(0)
+            if self.costs is not None and r.policy is not None:
+                r.policy.cost = self.costs
             self.target.reset_slot(r.slot)
             if r.proposer is not None:
                 r.proposer.reset()
@@ -444,7 +475,7 @@ class Engine:
         if self.active:
             self.batch_sizes.append(len(self.active))
             self.rounds += 1
-            run_round(self.target, self.active, self.head)
+            run_round(self.target, self.active, self.head, costs=self.costs)
         return done + self._release()
 
     def _release(self) -> list[Request]:

@@ -9,7 +9,7 @@ import torch
 
 from .budget import BudgetPolicy
 from .calibration import load_or_measure
-from .costmodel import CostModel
+from .costmodel import CostModel, MeasuredCostModel
 from .default_model import default_drafter_dir, default_target_dir
 from .drafter import DrafterModel, DraftProposer
 from .engine import Engine, GenerationStats, Request, run_alone
@@ -139,10 +139,13 @@ class Pipeline:
         return Request(ids, builder, settings.sampler(self.device), settings.max_new_tokens, stop, policy=policy,
                        proposer=proposer, on_tokens=on_tokens, cancelled=cancelled)
 
-    def engine(self, max_batch: int) -> Engine:
+    def engine(self, max_batch: int, measured_costs: bool = False) -> Engine:
         """A batched engine over this pipeline's target: up to ``max_batch`` requests per round
-        (the Hugging Face forward holds one; the lean forward any number)."""
-        return Engine(self.target, self.head, max_batch)
+        (the Hugging Face forward holds one; the lean forward any number). ``measured_costs``: budget
+        "auto" weighs the cost model scaled by what the engine's rounds measure
+        (``costmodel.MeasuredCostModel``; the server's choice), not the calibration alone."""
+        costs = MeasuredCostModel.following(self._cost_model) if measured_costs and self._cost_model is not None else None
+        return Engine(self.target, self.head, max_batch, costs=costs)
 
     @property
     def device(self) -> torch.device:

@@ -381,3 +381,70 @@ def test_the_cost_model_is_handed_to_the_pipeline_and_never_measured_inside_gene
     given_model = synthetic_cost(1.0, 0.5, draft_ms=1.0)
     assert bare.use_cost_model(given_model) is given_model
     assert bare.budget_policy(GenerationSettings.from_kwargs(budget="auto").validate()).cost is given_model
+
+
+def test_a_measured_cost_model_scales_each_stage_by_what_the_rounds_took():
+    """MeasuredCostModel: each stage's prices are the calibration's times the running geometric
+    mean of measured / predicted (the first measurement replaces the guess of 1; one stalled round
+    counts at most 4x); the curve's shape stays the calibration's; it saves as the calibration."""
+    from dartree.costmodel import MeasuredCostModel
+    from dartree.errors import DartreeError
+
+    base = CostModel({"machine": "synthetic"}, 256, {1: 10.0, 16: 20.0}, draft_ms=4.0, tree_ms=2.0, draft_batch_ms={4: 8.0})
+    live = MeasuredCostModel.following(base, weight=0.5)
+    assert live.verify(16) == 20.0 and live.draft_share(4) == 2.0 and live.round_ms(3) == base.round_ms(3)
+    live.observe("verify", live.calibrated_verify(1), 5.0)  # the forward runs twice as fast as calibrated
+    assert live.scales["verify"] == pytest.approx(0.5) and live.verify(16) == pytest.approx(10.0)
+    assert live.verify(16) / live.verify(1) == pytest.approx(base.verify(16) / base.verify(1))
+    live.observe("verify", 10.0, 10.0)  # then as calibrated: halfway back, geometrically
+    assert live.scales["verify"] == pytest.approx(0.5 ** 0.5)
+    live.observe("draft", live.calibrated_draft(4), 16.0)  # the batched call of 4 took twice its 8 ms
+    assert live.draft_share(4) == pytest.approx(4.0) and live.draft_share(1) == pytest.approx(8.0)
+    assert live.scales["tree"] == 1.0 and live.observed == {"verify": 2, "draft": 1, "tree": 0}
+    assert live.round_ms(3) == pytest.approx(8.0 + 2.0 + live.verify(4))
+    live.observe("tree", 2.0, 1000.0)  # a stalled round
+    assert live.scales["tree"] == pytest.approx(4.0)
+    assert CostModel.from_json(live.to_json()) == base  # what is saved is the calibration, not this process's scales
+    with pytest.raises(DartreeError, match="unknown stage"):
+        live.observe("commit", 1.0, 1.0)
+    with pytest.raises(DartreeError, match="weight"):
+        MeasuredCostModel.following(base, weight=0.0)
+
+
+def test_a_batch_does_not_even_call_the_drafter_where_drafting_cannot_pay():
+    """plan_drafting: with each request's expected gains known, a batch whose drafter calls cost more
+    than the drafter's tokens bring drafts nothing; where calls are cheap and gains large every
+    request drafts; the requests with most to gain draft first; a request with nothing drafted yet
+    always drafts (its round makes the estimate); a long prompt chunk in the forward does not make
+    the drafter look cheap (its time is not the decoding requests')."""
+    from dartree.budget import plan_drafting
+
+    def learnt(cost, probs):
+        p = BudgetPolicy(cost)
+        p.note_gains(probs)
+        return p
+
+    costly = synthetic_cost(10.0, 0.5, draft_ms=30.0, tree_ms=10.0)
+    poor = [0.4, 0.2, 0.1]
+    assert plan_drafting([learnt(costly, poor) for _ in range(8)], 8, 8.0) == [False] * 8
+    fresh = BudgetPolicy(costly)
+    assert plan_drafting([learnt(costly, poor), fresh], 2, 2.0) == [False, True]
+    cheap = synthetic_cost(10.0, 0.05, draft_ms=0.5, tree_ms=0.5)
+    assert plan_drafting([learnt(cheap, [0.9, 0.8, 0.7]) for _ in range(8)], 8, 8.0) == [True] * 8
+    # One request can pay its call, the other cannot: only the first drafts, whatever the order.
+    middling = synthetic_cost(10.0, 0.05, draft_ms=3.0, tree_ms=1.0)
+    good, bad = learnt(middling, [0.95, 0.9, 0.85, 0.8]), learnt(middling, [0.05, 0.01])
+    assert plan_drafting([bad, good, learnt(middling, [0.05])], 3, 3.0) == [False, True, False]
+    # 64 prompt rows beside 4 decoding requests: charged to the 4 tokens, the long forward would make
+    # 16 ms of drafter calls for 3 tokens look worth it; against a 4-row forward's 11.5 ms they are not.
+    modest = synthetic_cost(10.0, 0.5, draft_ms=3.0, tree_ms=1.0)
+    assert plan_drafting([learnt(modest, [0.5, 0.3]) for _ in range(4)], 68, 4.0, prompt_rows=64) == [False] * 4
+    assert plan_drafting([learnt(modest, [0.5, 0.3]) for _ in range(4)], 68, 4.0) == [True] * 4
+    # The running estimate follows the drafted rounds (weight ``smoothing``), curves of any length.
+    p = learnt(cheap, [0.5])
+    p.note_gains([1.0, 1.0])
+    assert p.expected_gains == pytest.approx([0.0, 0.5 + 0.2 * 0.5, 0.5 + 0.2 * 1.5])
+    fork = p.fork()
+    fork.note_gains([0.0])
+    fork.hand_back()
+    assert p.expected_gains == fork.expected_gains and fork.expected_gains is not p.expected_gains

@@ -170,3 +170,48 @@ def test_a_forward_grows_the_store_for_the_widest_part_beside_a_nearly_full_slot
     alone = LeanTarget(lean_pipe.target_model, lean_pipe.target.tapped_layers, weights=lean_pipe.target.weights)
     alone.reserve_slots(2)
     assert torch.equal(alone.forward_parts([parts[1]])[0][0], together[1][0])
+
+
+def _drafted_by_batch(pipe, engine, requests) -> list[tuple[int, bool, int]]:
+    """Run ``requests`` in ``engine``; per request-round: (requests in the round, drafted?, the
+    request's drafted rounds before it)."""
+    for r in requests:
+        engine.submit(r)
+    seen = []
+    while engine.busy:
+        active = list(engine.active) + list(engine.waiting)[:engine.max_batch - len(engine.active)]
+        before = {id(r): len(r.stats.drafted) for r in active}
+        engine.step()
+        for r in active:
+            if len(r.stats.drafted) > before[id(r)]:
+                seen.append((len(active), r.stats.drafted[-1], sum(r.stats.drafted[:-1])))
+    return seen
+
+
+def test_a_batch_skips_the_drafter_where_it_cannot_pay_and_drafts_where_it_can(lean_pipe):
+    """Where a drafter call costs 50 one-row forwards, requests in a batch do not call it after
+    their first drafted round (which makes their estimate; ``budget.plan_drafting``); where it is
+    nearly free, they keep drafting in the batch. Either way each text is its text alone. The engine
+    with measured costs reports every round's forward to its cost model."""
+    pipe = lean_pipe
+    prompts = [[1, 2, 3], [4, 5], [6, 0, 1, 2], [3, 3]]
+    # 40 tokens: long enough that a request's own back-off would probe the drafter again in the batch
+    settings_ = _settings({"method": "dartree", "budget": "auto", "seed": 0, "max_new_tokens": 40, "temperature": 0.0})
+    cheap = pipe.cost_model()
+    try:
+        nearly_free = synthetic_cost(1.0, 0.001, draft_ms=0.001, tree_ms=0.001)
+        for cost, expect_drafting in ((synthetic_cost(1.0, 0.05, draft_ms=50.0, tree_ms=20.0), False), (nearly_free, True)):
+            pipe.use_cost_model(cost)
+            refs = [pipe.generate(input_ids=p, settings=settings_, stop_token_ids=[]).token_ids for p in prompts]
+            pipe.use_cost_model(cost)  # the batch starts with no estimates: each request's first round drafts
+            engine = pipe.engine(4, measured_costs=True)
+            requests = [pipe.request(torch.tensor(p), settings_, [], alone=False) for p in prompts]
+            seen = _drafted_by_batch(pipe, engine, requests)
+            assert [r.output for r in requests] == refs
+            in_batch_after_first = [drafted for n, drafted, before in seen if n > 1 and before > 0]
+            assert in_batch_after_first and any(in_batch_after_first) == expect_drafting
+            # every forward is reported; a drafter call only where it was batched after a first one
+            assert engine.costs.observed["verify"] == engine.rounds and (engine.costs.observed["draft"] > 0) == expect_drafting
+            assert all(r.policy.cost is engine.costs for r in requests)
+    finally:
+        pipe.use_cost_model(cheap)

@@ -33,7 +33,7 @@ class EngineWorker:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.pipe = pipe
-        self.batch = pipe.engine(max_batch)
+        self.batch = pipe.engine(max_batch, measured_costs=True)  # the budget weighs what serving measures
         self.max_batch = self.batch.max_batch
         self.jobs: "queue.Queue[Job]" = queue.Queue(maxsize=max_queue)
         self.registry = CollectorRegistry()
