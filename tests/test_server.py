@@ -245,6 +245,8 @@ def test_metrics_count_what_was_served(served):
                  "dartree:mean_acceptance_length", "dartree:num_requests_waiting", "dartree:time_per_output_token_seconds",
                  "dartree:num_requests_running", "dartree:batch_size_bucket"):
         assert name in text
+    # the budget weighs the forwards it measured: the served rounds moved the verify stage's scale off 1
+    assert 0.0 < _metric(server, 'dartree:cost_model_scale{stage="verify"}') != 1.0
 
 
 def _metric(server, name: str) -> float:

@@ -49,6 +49,8 @@ class EngineWorker:
                                      registry=self.registry)
         self.queue_length = Gauge(p + "num_requests_waiting", "requests waiting in the queue", registry=self.registry)
         self.running = Gauge(p + "num_requests_running", "requests in the running batch", registry=self.registry)
+        self.cost_scale = Gauge(p + "cost_model_scale", "measured time over the calibration's, per round stage (budget auto weighs it)",
+                                ["stage"], registry=self.registry)
         self.batch_size = Histogram(p + "batch_size", "requests per round (one target forward)", registry=self.registry,
                                     buckets=tuple(2 ** i for i in range(7)))
         self.tpot = Histogram(p + "time_per_output_token_seconds", "decode time per output token", registry=self.registry,
@@ -102,6 +104,9 @@ class EngineWorker:
             self.running.set(len(self.batch.active))
             if self.batch.batch_sizes:
                 self.batch_size.observe(self.batch.batch_sizes[-1])
+            if self.batch.costs is not None:
+                for stage, scale in self.batch.costs.scales.items():
+                    self.cost_scale.labels(stage).set(scale)
             for r in finished:
                 self._finish(r)
 
