@@ -318,7 +318,7 @@ def plan_drafting(policies: list[BudgetPolicy], fixed_rows: int, base_tokens: fl
     unknown = len(policies) - len(known)
 
     def calls_ms(drafting: int) -> float:  # the shares of one drafter call and one batch of builds
-        return drafting * (cost.draft_share(drafting) + cost.tree_share(drafting)) if drafting else 0.0
+        return drafting * (cost.draft_share(drafting) + cost.tree_share(drafting))
 
     rates = [base_tokens / (decode_ms + calls_ms(unknown))]  # k = 0: only the requests with no estimate draft
     # First a bound that is cheap to take: every gain at no extra rows. Where even that loses (a

@@ -49,7 +49,7 @@ class CostModel:
 
     def round_ms(self, nodes: int) -> float:
         """A speculative round with ``nodes`` tree nodes: draft + tree build + verify over nodes + 1 rows."""
-        return self.draft_ms + self.tree_ms + self.verify(nodes + 1)
+        return self.draft_share(1) + self.tree_share(1) + self.verify(nodes + 1)
 
     def rounds_ms(self, tree_sizes: list[int], drafted: list[bool]) -> float:
         """Milliseconds of a request's rounds (``GenerationStats.tree_sizes`` / ``drafted``): a drafted
@@ -176,9 +176,6 @@ class MeasuredCostModel(CostModel):
 
     def tree_share(self, requests: int) -> float:
         return CostModel.tree_share(self, requests) * self.scales["tree"]
-
-    def round_ms(self, nodes: int) -> float:
-        return self.draft_share(1) + self.tree_share(1) + self.verify(nodes + 1)
 
 
 def _piecewise(table: dict[int, float], x: int) -> float:

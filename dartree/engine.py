@@ -250,14 +250,16 @@ def run_round(target, requests: list[Request], head: CorrectionHead | None = Non
 
     # 1. one drafter call for the requests that speculate this round (a request's first call, which
     # also takes in its whole prompt, runs alone rather than pad the others to its length).
+    prompt_rows = sum(chunks.values())
     speculating = [r for r in decoding if r.uses_drafter and (r.policy is None or r.policy.speculate())]
     planned = [r for r in speculating if r.policy is not None]
     if len(decoding) > 1 and planned:  # in a batch, a drafter call that cannot pay is not even made
-        go = plan_drafting([r.policy for r in planned], len(decoding) + sum(chunks.values()), float(len(decoding)), sum(chunks.values()))
-        skipped = {id(r) for r, drafting in zip(planned, go) if not drafting}
-        for r in planned:
-            if id(r) in skipped:
+        skipped = set()
+        for r, drafting in zip(planned, plan_drafting([r.policy for r in planned], len(decoding) + prompt_rows,
+                                                      float(len(decoding)), prompt_rows)):
+            if not drafting:
                 r.policy.skip()
+                skipped.add(id(r))
         speculating = [r for r in speculating if id(r) not in skipped]
     continuing = [r for r in speculating if r.drafted]
     drafts: dict[int, object] = {}
@@ -276,13 +278,13 @@ def run_round(target, requests: list[Request], head: CorrectionHead | None = Non
 
     for group in [[r] for r in speculating if not r.drafted]:
         _together(group, draft)
-    continuing_s = time.perf_counter()
+    clock.lap("draft")
+    first_calls_ms = clock.laps["draft"]
     if continuing:
         _together(continuing, draft)
-    continuing_s = time.perf_counter() - continuing_s
     clock.lap("draft")
     if costs is not None and continuing:  # a first call also reads its prompt: not what the model prices
-        costs.observe("draft", costs.calibrated_draft(len(continuing)), 1000.0 * continuing_s)
+        costs.observe("draft", costs.calibrated_draft(len(continuing)), clock.laps["draft"] - first_calls_ms)
     # 2. each decoding request's method builds its tree (``ar``'s is empty; a drafting method's needs
     # this round's draft: without one, after a back-off or a failed call, the round is a plain step),
     # requests of one method and settings together (``trees.build_trees``), then one cut across the batch.
@@ -294,21 +296,19 @@ def run_round(target, requests: list[Request], head: CorrectionHead | None = Non
         trees.update((id(r), tree) for r, tree in zip(group, built))
 
     building = [r for r in decoding if not r.finished and (not r.uses_drafter or id(r) in drafts)]
-    build_s = time.perf_counter()
     if building:
         _together(building, build)
-    build_s = time.perf_counter() - build_s
     clock.lap("tree")
     # The model prices dartree builds under the budget (the trees auto cuts); other methods' builds are not priced.
     priced = [r for r in building if r.policy is not None and id(r) in drafts]
     if costs is not None and priced and len(priced) == len(building):
-        costs.observe("tree", costs.calibrated_tree(len(priced)), 1000.0 * build_s)
+        costs.observe("tree", costs.calibrated_tree(len(priced)), clock.laps["tree"])
     requests = [r for r in requests if not r.finished]
     decoding = [r for r in decoding if not r.finished]
     ranked = [r for r in decoding if r.policy is not None and id(r) in trees]
     if ranked:
-        fixed_rows = len(decoding) + sum(chunks.values()) + sum(len(trees[id(r)]) for r in decoding if r.policy is None and id(r) in trees)
-        for r, tree in zip(ranked, cut_batch([(r.policy, trees[id(r)]) for r in ranked], fixed_rows, float(len(decoding)), sum(chunks.values()))):
+        fixed_rows = len(decoding) + prompt_rows + sum(len(trees[id(r)]) for r in decoding if r.policy is None and id(r) in trees)
+        for r, tree in zip(ranked, cut_batch([(r.policy, trees[id(r)]) for r in ranked], fixed_rows, float(len(decoding)), prompt_rows)):
             trees[id(r)] = tree
         clock.lap("tree")
 
@@ -331,7 +331,6 @@ def run_round(target, requests: list[Request], head: CorrectionHead | None = Non
         return
     target.capture = bool(target.tapped_layers) and any(r.uses_drafter for r, _ in plans)
     starts = [target.slot_length(p.slot) for p in parts]
-    forward_s = time.perf_counter()
     outputs = target.forward_parts(parts)
 
     # The output layer over the rows each request needs first (a finished prompt's last row; the
@@ -346,8 +345,8 @@ def run_round(target, requests: list[Request], head: CorrectionHead | None = Non
     gathered = [h[rows] for (h, _), rows in zip(outputs, asks) if rows]
     logits = target.lm_head(torch.cat(gathered)) if gathered else None
     clock.lap("verify")
-    if costs is not None:  # the calibration timed a forward with its first output-layer rows, as here
-        costs.observe("verify", costs.calibrated_verify(sum(p.tokens.numel() for p in parts)), 1000.0 * (time.perf_counter() - forward_s))
+    if costs is not None:  # the calibration timed this lap of this round (a forward with its first output-layer rows)
+        costs.observe("verify", costs.calibrated_verify(sum(p.tokens.numel() for p in parts)), clock.laps["verify"])
 
     # 4. commit: every decoding request walks its tree with its own choices; the walks run together,
     # so each further ask of the output layer (where the target leaves a likely path) is one product
