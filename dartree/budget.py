@@ -27,6 +27,8 @@ what is verified changes, never how: the output stays exactly what the target al
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -287,15 +289,10 @@ def cut_batch(items: list[tuple[BudgetPolicy, DraftTree]], fixed_rows: int, base
 PLAN_MAX_NODES = 128
 
 
-def _merged_gains(curves: list[list[float]], most: int) -> list[float]:
-    """The requests' expected-gain curves merged best increment first, as ``choose_batch`` merges the
-    trees' nodes (a curve's increments fall with rank, so a merge is a sort): cumulative gain by
-    total nodes, from 0, up to ``most`` nodes."""
-    steps = sorted((b - a for c in curves for a, b in zip(c, c[1:])), reverse=True)[:most]
-    total = [0.0]
-    for g in steps:
-        total.append(total[-1] + g)
-    return total
+def _increments(curve: list[float], most: int) -> list[float]:
+    """A cumulative expected-gain curve's increments, largest first, at most ``most`` of them (a
+    curve's increments fall with rank already, so the sort only guards against rounding)."""
+    return sorted((b - a for a, b in zip(curve, curve[1:])), reverse=True)[:most]
 
 
 def plan_drafting(policies: list[BudgetPolicy], fixed_rows: int, base_tokens: float, prompt_rows: int = 0) -> list[bool]:
@@ -332,10 +329,12 @@ def plan_drafting(policies: list[BudgetPolicy], fixed_rows: int, base_tokens: fl
         return [p.expected_gains is None for p in policies]
     most = min(PLAN_MAX_NODES, sum(len(policies[i].expected_gains) - 1 for i in known))
     verify_ms = [cost.verify(fixed_rows + m) for m in range(most + 1)]
-    for k in range(1, len(known) + 1):
-        gains = _merged_gains([policies[i].expected_gains for i in known[:k]], most)
+    merged: list[float] = []  # the drafting requests' increments merged best first, as choose_batch merges nodes
+    for k, i in enumerate(known, start=1):
+        # two descending runs: the sort is a linear merge, so the plan stays O(requests x nodes)
+        merged = sorted(merged + _increments(policies[i].expected_gains, most), reverse=True)[:most]
         fixed_ms = decode_ms + calls_ms(k + unknown) - verify_ms[0]
-        rates.append(max((base_tokens + g) / (fixed_ms + verify_ms[m]) for m, g in enumerate(gains)))
+        rates.append(max((base_tokens + g) / (fixed_ms + v) for g, v in zip(accumulate(merged, initial=0.0), verify_ms)))
     best_k = max(range(len(rates)), key=rates.__getitem__)  # the first of equal rates: fewer drafter calls
     chosen = set(known[:best_k])
     return [p.expected_gains is None or i in chosen for i, p in enumerate(policies)]

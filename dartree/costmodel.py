@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import bisect
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -181,16 +182,14 @@ class MeasuredCostModel(CostModel):
 def _piecewise(table: dict[int, float], x: int) -> float:
     """``table`` at ``x``: exact at measured sizes, linear between them, the smallest's value below
     the smallest and the last slope beyond the largest."""
-    sizes = sorted(table)
     if x in table:
         return table[x]
+    sizes = sorted(table)
     if x < sizes[0] or len(sizes) == 1:
         return table[sizes[0]] if x < sizes[0] else table[sizes[-1]]
-    for lo, hi in zip(sizes, sizes[1:]):
-        if lo < x < hi:
-            return table[lo] + (table[hi] - table[lo]) * (x - lo) / (hi - lo)
-    lo, hi = sizes[-2], sizes[-1]
-    return table[hi] + (table[hi] - table[lo]) / (hi - lo) * (x - hi)
+    j = min(bisect.bisect_left(sizes, x), len(sizes) - 1)  # sizes[j - 1] < x < sizes[j], or the last pair beyond
+    lo, hi = sizes[j - 1], sizes[j]
+    return table[lo] + (table[hi] - table[lo]) * (x - lo) / (hi - lo)
 
 
 def _share(alone_ms: float, batch_ms: dict[int, float], requests: int) -> float:

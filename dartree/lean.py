@@ -33,6 +33,13 @@ from .taps import check_tapped_layers, decoder_layers
 
 FAMILIES = ("llama", "qwen3")  # config.model_type values the lean forward implements
 PREFILL_CHUNK = 256  # prompt rows per forward: bounds the visibility matrix (rows are invariant, so chunks change nothing)
+# How the weight products run. "exact": the compiled row-invariant kernels in the model's dtype (a
+# row's bits do not depend on the other rows: the product's promise). "bfloat16": inputs rounded to
+# bf16, multiplied by bf16 weights in torch's own kernels (oneDNN: AMX / AVX-512-BF16 where the CPU
+# has them, several times faster for many rows), accumulated and returned in float32; norms, RoPE,
+# attention, the K/V store and the residual stream stay float32. Not row-invariant and not the
+# float32 target's bits: for work that need not be exact (the drafter's training data).
+PRODUCTS = ("exact", "bfloat16")
 
 
 def unsupported_reason(model: nn.Module) -> str | None:
@@ -71,11 +78,15 @@ class LayerWeights:
 class LeanWeights:
     """A Hugging Face Llama/Qwen3 model's weights in the lean forward's layout (made once)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, products: str = "exact"):
         reason = unsupported_reason(model)
         if reason is not None:
             raise DartreeError(f"the lean forward does not run this target: {reason}")
+        if products not in PRODUCTS:
+            raise DartreeError(f"products must be one of {', '.join(PRODUCTS)}, got {products!r}")
         ext = kernels.load()
+        self.products = products
+        prepare = ext.pack_weight if products == "exact" else (lambda w: w.detach().to(torch.bfloat16).contiguous())
         cfg = model.config
         self.model = model
         self.hidden = cfg.hidden_size
@@ -97,15 +108,15 @@ class LeanWeights:
                 qn = getattr(att, "q_norm", None)
                 kn = getattr(att, "k_norm", None)
                 self.layers.append(LayerWeights(
-                    ext.pack_weight(qkv), ext.pack_weight(att.o_proj.weight), ext.pack_weight(gate_up),
-                    ext.pack_weight(mlp.down_proj.weight), block.input_layernorm.weight.detach().contiguous(),
+                    prepare(qkv), prepare(att.o_proj.weight), prepare(gate_up), prepare(mlp.down_proj.weight),
+                    block.input_layernorm.weight.detach().contiguous(),
                     block.post_attention_layernorm.weight.detach().contiguous(),
                     qn.weight.detach().contiguous() if qn is not None else empty,
                     kn.weight.detach().contiguous() if kn is not None else empty))
             self.final_norm = model.model.norm.weight.detach().contiguous()
             out = model.get_output_embeddings()
             self.vocab = out.weight.shape[0]
-            self.output = ext.pack_weight(out.weight.detach())
+            self.output = prepare(out.weight.detach())
         self.embedding = model.get_input_embeddings()
         self._cos = self._sin = None
 
@@ -122,10 +133,17 @@ class LeanWeights:
             self._cos, self._sin = cos[0].to(self.dtype).contiguous(), sin[0].to(self.dtype).contiguous()
         return self._cos.index_select(0, positions), self._sin.index_select(0, positions)
 
+    def product(self, x: torch.Tensor, weight: torch.Tensor, n: int, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] @ W.T (+ residual) -> [M, n], W prepared for ``products``."""
+        if self.products == "exact":
+            return kernels.load().product(x, weight, n, residual)
+        y = nn.functional.linear(x.to(torch.bfloat16), weight).to(self.dtype)
+        return y if residual is None else y.add_(residual)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The output layer over final-normed rows [..., H] (row-invariant, as every product here)."""
+        """The output layer over final-normed rows [..., H] (row-invariant with exact products)."""
         flat = hidden.reshape(-1, self.hidden).contiguous()
-        return kernels.load().product(flat, self.output, self.vocab).reshape(*hidden.shape[:-1], self.vocab)
+        return self.product(flat, self.output, self.vocab).reshape(*hidden.shape[:-1], self.vocab)
 
 
 class KVStore:
@@ -211,13 +229,13 @@ def forward(weights: LeanWeights, store: KVStore, rows: Rows, taps: list[int] = 
     for i, layer in enumerate(w.layers):
         k_cache, v_cache = store.k[i], store.v[i]
         h = ext.rmsnorm(x, layer.input_norm, w.eps)
-        qkv = ext.product(h, layer.qkv, (w.heads + 2 * w.kv_heads) * w.head_dim)
+        qkv = w.product(h, layer.qkv, (w.heads + 2 * w.kv_heads) * w.head_dim)
         q = ext.rope_store(qkv, cos, sin, layer.q_norm, layer.k_norm, w.eps, w.heads, w.kv_heads, k_cache, v_cache,
                            rows.slots, rows.cache_positions)
         a = ext.attention(q, k_cache, v_cache, rows.slots, rows.past, rows.visible, w.heads, w.scale)
-        x = ext.product(a, layer.o, hidden, x)
+        x = w.product(a, layer.o, hidden, x)
         h = ext.rmsnorm(x, layer.post_norm, w.eps)
-        x = ext.product(ext.swiglu(ext.product(h, layer.gate_up, 2 * w.intermediate)), layer.down, hidden, x)
+        x = w.product(ext.swiglu(w.product(h, layer.gate_up, 2 * w.intermediate)), layer.down, hidden, x)
         if i in taps:
             tapped[i] = x
     features = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
@@ -251,10 +269,11 @@ class LeanTarget:
     kind = "lean"
     prefill_chunk = PREFILL_CHUNK
 
-    def __init__(self, model: nn.Module, tapped_layers: list[int] | tuple[int, ...] = (), weights: LeanWeights | None = None):
+    def __init__(self, model: nn.Module, tapped_layers: list[int] | tuple[int, ...] = (), weights: LeanWeights | None = None,
+                 products: str = "exact"):
         self.model = model.eval()
         self.config = model.config
-        self.weights = weights or LeanWeights(model)
+        self.weights = weights or LeanWeights(model, products)
         check_tapped_layers(tapped_layers, len(self.weights.layers))
         self.tapped_layers = [int(i) for i in tapped_layers]
         self.capture = bool(self.tapped_layers)

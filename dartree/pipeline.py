@@ -33,16 +33,19 @@ class GenerationResult:
         return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.to_dict()}
 
 
-def make_target_adapter(model, tapped_layers, lean: bool | str = "auto"):
+def make_target_adapter(model, tapped_layers, lean: bool | str = "auto", lean_products: str = "exact"):
     """The lean forward for the families it implements (``lean="auto"``, the default), else the
-    Hugging Face forward; ``lean=True`` insists (a clear error where it cannot run), ``False`` refuses."""
+    Hugging Face forward; ``lean=True`` insists (a clear error where it cannot run), ``False`` refuses.
+    ``lean_products``: how the lean forward multiplies (``lean.PRODUCTS``; anything but "exact" insists
+    on the lean forward)."""
     if lean not in ("auto", True, False):
         raise DartreeError(f"lean must be 'auto', True or False, got {lean!r}")
     reason = unsupported_reason(model) if lean is not False else "lean=False"
     if reason is None:
-        return LeanTarget(model, tapped_layers)
-    if lean is True:
-        raise DartreeError(f"lean=True, but the lean forward cannot run this target: {reason}")
+        return LeanTarget(model, tapped_layers, products=lean_products)
+    if lean is True or lean_products != "exact":
+        asked = "lean=True" if lean is True else f"lean_products={lean_products!r}"
+        raise DartreeError(f"{asked}, but the lean forward cannot run this target: {reason}")
     return TargetAdapter(model, tapped_layers)
 
 
@@ -56,16 +59,20 @@ class Pipeline:
     measured from the target, drafter and head once and cached (``calibration.load_or_measure``;
     a few seconds the first time), here, so that no ``generate`` call ever starts a calibration;
     a ``CostModel`` (e.g. another machine's, ``CostModel.from_json``) to use that one; None for none
-    (budget "auto" is then refused until ``calibrate`` or ``use_cost_model``)."""
+    (budget "auto" is then refused until ``calibrate`` or ``use_cost_model``).
+
+    ``lean_products``: "exact" (default; the row-invariant kernels every exactness claim rests on) or
+    "bfloat16" (bf16 weight products on the lean forward, for work that need not be exact: the
+    drafter's training data; see ``lean.PRODUCTS``)."""
 
     def __init__(self, target_model, drafter: DrafterModel | None = None, tokenizer=None, lean: bool | str = "auto",
-                 cost_model: CostModel | str | None = "auto"):
+                 cost_model: CostModel | str | None = "auto", lean_products: str = "exact"):
         self.target_model = target_model
         self.drafter = drafter
         self.tokenizer = tokenizer
         if drafter is not None:
             check_pair(target_model, drafter)
-        self.target = make_target_adapter(target_model, drafter.config.target_layer_ids if drafter else (), lean)
+        self.target = make_target_adapter(target_model, drafter.config.target_layer_ids if drafter else (), lean, lean_products)
         self.proposer = None
         self.head = None
         self._cost_model: CostModel | None = None

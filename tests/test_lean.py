@@ -231,3 +231,32 @@ def test_a_drafter_linear_on_the_lean_products_equals_f_linear(dtype):
         torch.testing.assert_close(model[0](x), torch.nn.functional.linear(x, model[0].weight, model[0].bias), **tol)
         x3 = torch.randn(2, 4, 40, generator=gen, dtype=dtype)  # leading dimensions kept
         torch.testing.assert_close(model[0](x3), torch.nn.functional.linear(x3, model[0].weight, model[0].bias), **tol)
+
+
+def test_bf16_products_follow_the_exact_forward_closely_and_only_where_asked(tiny32):
+    """``lean_products="bfloat16"``: the same forward with bf16 weight products (for the drafter's
+    data) stays close to the exact one (logits within bf16 rounding over a prefill and a tree), its
+    weights are bf16, attention and the K/V store float32; exact stays the default, an unknown name
+    and a target the lean forward cannot run are refused."""
+    exact, fast = LeanTarget(tiny32), LeanTarget(tiny32, products="bfloat16")
+    assert exact.weights.products == "exact" and fast.weights.layers[0].qkv.dtype == torch.bfloat16
+    assert fast.store.k.dtype == torch.float32
+    ids = torch.randint(64, (300,), generator=torch.Generator().manual_seed(5))
+    a, _ = exact.prefill(ids)
+    b, _ = fast.prefill(ids)
+    assert not torch.equal(a, b)  # the products did change
+    torch.testing.assert_close(b, a, rtol=0, atol=0.05 * a.abs().max().item())
+    tokens, depths = torch.tensor([5, 9, 11, 2]), torch.tensor([0, 1, 1, 2])
+    vis = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    la, _ = exact.forward_tree(tokens, depths, vis)
+    lb, _ = fast.forward_tree(tokens, depths, vis)
+    torch.testing.assert_close(lb, la, rtol=0, atol=0.05 * la.abs().max().item())
+    with pytest.raises(ValueError, match="products must be one of"):
+        LeanWeights(tiny32, products="int8")
+
+
+def test_bf16_products_are_refused_where_the_lean_forward_cannot_run(model_dirs):
+    from dartree.pipeline import make_target_adapter
+    model = load_target(model_dirs[("llama", "target")], torch.bfloat16, "cpu")
+    with pytest.raises(ValueError, match="lean_products='bfloat16'.*dtype"):
+        make_target_adapter(model, (), "auto", lean_products="bfloat16")

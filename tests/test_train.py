@@ -440,3 +440,32 @@ def test_labelling_without_the_original_prompt_files_leaves_sequences_unlabelled
     seqs = [data_mod.Sequence(torch.tensor([1, 9, 9]), 2)]
     assert data_mod.label_original_sources(seqs, tmp_path, tokenizer=None) == 0
     assert seqs[0].source == ""
+
+
+def test_engine_data_with_bf16_products_writes_whole_shards_and_says_how(model_dirs, tmp_path, monkeypatch):
+    """``train data`` on the engine with bf16 products (what ``--dtype auto`` picks on a CPU with
+    native bf16): every shard whole, in prompt order, prompts kept, and each shard's metadata names
+    the products its answers came from."""
+    from safetensors import safe_open
+
+    import dartree.train.data as data_mod
+    from dartree.loading import load_target
+    from dartree.pipeline import Pipeline
+
+    monkeypatch.setattr(data_mod, "original_prompts",
+                        lambda *_: [data_mod.TrainingPrompt(f"prompt {i}", "gsm8k_train", "math") for i in range(7)])
+    tok = type("Tok", (), {"eos_token_id": 3, "apply_chat_template": lambda self, msgs, **_: [1, 2, len(msgs[0]["content"]) % 8]})()
+    model = load_target(model_dirs[("llama", "target")], torch.float32, "cpu")
+    pipe = Pipeline(model, None, None, lean=True, lean_products="bfloat16")
+    data_mod.generate_data(pipe, tok, "unused", tmp_path, batch_size=3, max_new_tokens=10, slots=2)
+    files = data_mod.shard_files(tmp_path)
+    assert len(files) == 3
+    for k, f in enumerate(files):
+        with safe_open(str(f), "pt") as h:
+            meta = h.metadata()
+        assert meta["generator"] == "engine, bfloat16 products" and meta["dtype"] == "float32"
+        seqs = data_mod.load_shard(f)
+        assert len(seqs) == (3 if k < 2 else 1)
+        for i, s in enumerate(seqs):
+            assert s.tokens[: s.prompt_len].tolist() == [1, 2, len(f"prompt {3 * k + i}") % 8]
+            assert 1 <= s.tokens.numel() - s.prompt_len <= 10

@@ -38,12 +38,14 @@ def add_train_parser(sub) -> None:
     data.add_argument("--num-prompts", type=int, default=None,
                       help="generate for the first N prompts of the fixed shuffle (default: all of them); a larger N later extends the data")
     data.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
-                      help="the target's dtype while generating; auto: bfloat16 where the CPU has native bf16 "
-                           "matrix instructions (avx512_bf16 / amx_bf16) or on a GPU, else float32 (measured ~1.8x faster on an AVX-512-BF16 EPYC)")
+                      help="the precision of the target's products while generating; auto (default): bfloat16 where the "
+                           "CPU has native bf16 matrix instructions (avx512_bf16 / amx_bf16) or on a GPU, else float32. On the "
+                           "engine, bfloat16 means bf16 weight products with float32 attention, norms and K/V (the lean "
+                           "forward's 'bfloat16' products); with --generator batch, the whole model in that dtype")
     data.add_argument("--generator", default="auto", choices=("auto", "engine", "batch"),
-                      help="engine: the batched engine on the lean forward (float32, requests join as others end, "
-                           "every answer the one the target writes alone); batch: one left-padded Hugging Face batch per "
-                           "shard (--dtype applies; for GPUs or models the lean forward lacks); auto (default): engine on a "
+                      help="engine: the batched engine on the lean forward (requests join as others end; with float32 "
+                           "every answer is the one the target writes alone); batch: one left-padded Hugging Face batch per "
+                           "shard (for GPUs or models the lean forward lacks); auto (default): engine on a "
                            "CPU where the lean forward runs the target, else batch")
     data.add_argument("--slots", type=int, default=64, help="requests per engine round (--generator engine; default 64)")
     data.add_argument("--batch-size", type=int, default=48, help="prompts per shard (and per batch with --generator batch)")
@@ -67,19 +69,20 @@ def _run_data(args) -> int:
     device = resolve_device(args.device)
     if args.slots < 1:
         raise DartreeError(f"--slots must be >= 1, got {args.slots}")
-    use_engine = args.generator == "engine" or (args.generator == "auto" and device.type == "cpu" and args.dtype in ("auto", "float32"))
-    dtype = torch.float32 if use_engine else inexact_work_dtype(args.dtype, device)
-    model = load_target(target, dtype, device)
+    work_dtype = inexact_work_dtype(args.dtype, device)
+    use_engine = args.generator == "engine" or (args.generator == "auto" and device.type == "cpu")
+    # the engine keeps the model in float32 (the lean forward's dtype) and multiplies in work_dtype
+    model = load_target(target, torch.float32 if use_engine else work_dtype, device)
     tokenizer = load_tokenizer(target)
     if use_engine:
         reason = lean.unsupported_reason(model)
         if reason is not None and args.generator == "engine":
             raise DartreeError(f"--generator engine needs the lean forward: {reason}")
         use_engine = reason is None
-        batch_dtype = inexact_work_dtype(args.dtype, device)
-        if not use_engine and batch_dtype != model.dtype:  # auto: the batch generator at its own dtype
-            model = load_target(target, batch_dtype, device)
-    generator = Pipeline(model, None, tokenizer, lean=True) if use_engine else model
+        if not use_engine and work_dtype != model.dtype:  # auto: the batch generator at its own dtype
+            model = load_target(target, work_dtype, device)
+    products = "bfloat16" if work_dtype == torch.bfloat16 else "exact"
+    generator = Pipeline(model, None, tokenizer, lean=True, lean_products=products) if use_engine else model
     generate_data(generator, tokenizer, args.prompts, args.out, args.num_prompts, args.batch_size,
                   args.max_new_tokens, args.sample_fraction, args.seed, args.max_minutes,
                   args.start_shard, args.prompt_set, slots=args.slots)

@@ -381,8 +381,10 @@ def engine_responses(pipe: Pipeline, jobs: Iterable[ShardJob], max_new_tokens: i
     """Every job's prompts as ``ar`` requests of the batched engine (``pipe``'s lean forward, up to
     ``slots`` requests per round, each sampled from its own seed): the next job's requests queue
     while the current one's last answers finish, so the batch stays full across shards. Yields
-    (job, sequences in prompt order) as each job's last request ends; the text of every answer is
-    the one the target writes for that prompt alone (the engine's rows do not depend on each other)."""
+    (job, sequences in prompt order) as each job's last request ends. With exact products the text of
+    every answer is the one the target writes for that prompt alone (the engine's rows do not depend
+    on each other); with bf16 products (``lean.PRODUCTS``) it is the bf16-product target's, and a
+    near-tie may fall either way depending on what shares the round."""
     engine = pipe.engine(slots)
     jobs = iter(jobs)
     in_flight: dict[int, tuple[ShardJob, list]] = {}
@@ -420,7 +422,7 @@ def generate_data(target, tokenizer, prompts_dir, out_dir, num_prompts: int | No
     """Write shards of target-written responses until ``num_prompts`` (default: all) are covered (resumable).
 
     ``target``: a ``Pipeline`` on the lean forward (answers from the batched engine, ``slots``
-    requests per round) or a Hugging Face model (one left-padded batch per shard, e.g. on a GPU).
+    requests per round, with the pipeline's ``lean_products``) or a Hugging Face model (one left-padded batch per shard, e.g. on a GPU).
     Missing shards are written in order from ``start_shard`` (wrapping around), and a shard another
     process wrote meanwhile is skipped, so two processes started at different shards share the work."""
     out_dir = Path(out_dir)
@@ -432,6 +434,9 @@ def generate_data(target, tokenizer, prompts_dir, out_dir, num_prompts: int | No
     stop = {tokenizer.eos_token_id}
     on_engine = isinstance(target, Pipeline)
     dtype = str((target.target.dtype if on_engine else next(target.parameters()).dtype)).removeprefix("torch.")
+    generator = "batch"
+    if on_engine:  # the lean forward's products say how the answers were computed ("bfloat16": bf16 weight products)
+        generator = "engine" if target.target.weights.products == "exact" else f"engine, {target.target.weights.products} products"
     t0 = time.perf_counter()
     if not 0 <= start_shard < len(shards):
         raise DartreeError(f"--start-shard must be between 0 and {len(shards) - 1} (this prompt set makes {len(shards)} shards), got {start_shard}")
@@ -464,7 +469,7 @@ def generate_data(target, tokenizer, prompts_dir, out_dir, num_prompts: int | No
         seconds = time.perf_counter() - job.queued_at
         save_shard(shard_path(out_dir, job.k), seqs,
                    {"temperature": job.temperature, "shard": job.k, "dtype": dtype, "max_new_tokens": max_new_tokens,
-                    "generator": "engine" if on_engine else "batch", "seconds": round(seconds, 1), "new_tokens": new})
+                    "generator": generator, "seconds": round(seconds, 1), "new_tokens": new})
         bar.update()
         bar.set_postfix(T=job.temperature, mean_tok_s=f"{new_total / (time.perf_counter() - t0):.0f}")
     bar.close()
