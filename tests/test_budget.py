@@ -448,3 +448,64 @@ def test_a_batch_does_not_even_call_the_drafter_where_drafting_cannot_pay():
     fork.note_gains([0.0])
     fork.hand_back()
     assert p.expected_gains == fork.expected_gains and fork.expected_gains is not p.expected_gains
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(1, 300), min_size=1, max_size=8, unique=True), data=st.data())
+def test_the_cost_lookup_is_exact_at_measured_sizes_linear_between_and_beyond(sizes, data):
+    """``costmodel._piecewise`` against the definition: each measured size's own value; between two
+    sizes the line through them; below the smallest its value; beyond the largest the last slope."""
+    from dartree.costmodel import _piecewise
+
+    table = {s: float(data.draw(st.integers(1, 1000))) for s in sizes}
+    xs = sorted(table)
+    for x in range(1, 400):
+        if x in table:
+            want = table[x]
+        elif x < xs[0] or len(xs) == 1:
+            want = table[xs[0]] if x < xs[0] else table[xs[-1]]
+        else:  # the measured neighbours of x, or the last two sizes beyond the largest
+            lo, hi = (max(s for s in xs if s < x), min(s for s in xs if s > x)) if x < xs[-1] else (xs[-2], xs[-1])
+            want = table[lo] + (table[hi] - table[lo]) * (x - lo) / (hi - lo)
+        assert _piecewise(table, x) == pytest.approx(want, rel=1e-12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(curves=st.lists(st.one_of(st.none(), st.lists(st.floats(0.0, 1.0), min_size=1, max_size=40)), min_size=2, max_size=9),
+       fixed=st.integers(2, 30), prompt=st.integers(0, 64), draft=st.floats(0.1, 20.0))
+def test_the_drafting_plan_is_the_best_k_of_a_brute_force_search(curves, fixed, prompt, draft):
+    """``plan_drafting`` against an exhaustive reference: for every k (the k requests with most to
+    gain) and every node count, expected tokens per ms, with the gains merged by a full sort; the
+    plan drafts exactly the reference's best k, plus every request without an estimate."""
+    from dartree.budget import PLAN_MAX_NODES, _decode_ms, plan_drafting
+
+    cost = synthetic_cost(10.0, 0.3, draft_ms=draft, tree_ms=1.0)
+    policies = []
+    for probs in curves:
+        p = BudgetPolicy(cost)
+        if probs is not None:
+            p.note_gains(sorted(probs, reverse=True))
+        policies.append(p)
+    rows, base = fixed + prompt, float(fixed)
+    known = sorted((i for i, p in enumerate(policies) if p.expected_gains is not None),
+                   key=lambda i: policies[i].expected_gains[-1], reverse=True)
+    unknown = len(policies) - len(known)
+    decode = _decode_ms(cost, rows, prompt)
+
+    def calls(k):
+        return k * (cost.draft_share(k) + cost.tree_share(k))
+
+    most = min(PLAN_MAX_NODES, sum(len(policies[i].expected_gains) - 1 for i in known))
+    rates = [base / (decode + calls(unknown))]
+    for k in range(1, len(known) + 1):
+        steps = sorted((b - a for i in known[:k] for a, b in zip(policies[i].expected_gains, policies[i].expected_gains[1:])),
+                       reverse=True)[:most]
+        gains = [sum(steps[:m]) for m in range(len(steps) + 1)]
+        fixed_ms = decode + calls(k + unknown) - cost.verify(rows)
+        rates.append(max((base + g) / (fixed_ms + cost.verify(rows + m)) for m, g in enumerate(gains)))
+    best = max(rates)
+    plan = plan_drafting(policies, rows, base, prompt)
+    chosen = [i for i in known if plan[i]]
+    assert all(plan[i] for i, p in enumerate(policies) if p.expected_gains is None)
+    assert chosen == known[:len(chosen)]  # the requests with most to gain draft first
+    assert rates[len(chosen)] == pytest.approx(best, rel=1e-9)
