@@ -260,3 +260,23 @@ def test_bf16_products_are_refused_where_the_lean_forward_cannot_run(model_dirs)
     model = load_target(model_dirs[("llama", "target")], torch.bfloat16, "cpu")
     with pytest.raises(ValueError, match="lean_products='bfloat16'.*dtype"):
         make_target_adapter(model, (), "auto", lean_products="bfloat16")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_attention_scores_committed_keys_in_blocks_with_the_bits_of_one_at_a_time(dtype):
+    """The committed keys are scored 16 at a time (AVX-512, float32), the visible new rows one at a
+    time: a row that sees p keys as its committed cache gets the same bits as the same row seeing
+    the same keys as visible new rows, for every p (blocks, remainders, none)."""
+    gen = torch.Generator().manual_seed(11)
+    nh, nkv, hd, T = 6, 2, 64, 96
+    k = torch.randn(1, nkv, T, hd, generator=gen, dtype=dtype)
+    v = torch.randn(1, nkv, T, hd, generator=gen, dtype=dtype)
+    q = torch.randn(1, nh * hd, generator=gen, dtype=dtype) * 2
+    slot = torch.zeros(1, dtype=torch.long)
+    for p in list(range(1, 50)) + [64, 80, 95]:
+        committed = ext.attention(q, k, v, slot, torch.tensor([p]), torch.zeros(1, 1, dtype=torch.uint8), nh, hd ** -0.5)
+        as_new = ext.attention(q, k, v, slot, torch.tensor([0]), torch.ones(1, p, dtype=torch.uint8), nh, hd ** -0.5)
+        assert torch.equal(committed, as_new), p
+        ref = torch.softmax((q.view(nh, 1, hd) @ k[0].repeat_interleave(nh // nkv, 0)[:, :p].transpose(1, 2)) * hd ** -0.5, -1)
+        ref = (ref @ v[0].repeat_interleave(nh // nkv, 0)[:, :p]).reshape(1, nh * hd)
+        torch.testing.assert_close(committed, ref, rtol=1e-5, atol=1e-5)

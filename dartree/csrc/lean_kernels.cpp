@@ -216,6 +216,60 @@ inline float dot_fixed_avx512(const float* a, const float* b, int64_t n) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// dot_fixed_avx512 of one query against 16 consecutive keys (key k at keys + k * n), n a multiple of
+// 16: each key's lanes by the same fmas, then the 16 pairwise trees (j with j + 8, + 4, + 2, + 1)
+// taken side by side by shuffles that bring the two operands of each addition into one lane. Every
+// addition is the one the single-key code makes (IEEE addition commutes exactly), so each key's dot
+// has the same bits as dot_fixed_avx512's, without a horizontal reduction per key.
+inline void dot16_keys_avx512(const float* q, const float* keys, int64_t n, float* out) {
+  __m512 v[16];
+  for (int k = 0; k < 16; ++k) v[k] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += BLOCK) {
+    const __m512 qi = _mm512_loadu_ps(q + i);
+    for (int k = 0; k < 16; ++k) v[k] = _mm512_fmadd_ps(qi, _mm512_loadu_ps(keys + k * n + i), v[k]);
+  }
+  // lane j + lane j + 8: keys 2i, 2i + 1 -> w[i] = [s8 of key 2i | s8 of key 2i + 1]
+  __m512 w[8];
+  for (int i = 0; i < 8; ++i)
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // + 4: w[2i], w[2i + 1] -> x[i] = [s4 of keys 4i, 4i + 1, 4i + 2, 4i + 3], one per 128-bit quarter
+  __m512 x[4];
+  for (int i = 0; i < 4; ++i)
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // + 2 within each quarter: y[0] quarter c = [s2 of key c, s2 of key 4 + c], y[1] keys 8 + c, 12 + c
+  __m512 y[2];
+  for (int i = 0; i < 2; ++i)
+    y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // + 1: lane 4c + l holds key 4l + c; one permutation puts key k in lane k
+  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  _mm512_storeu_ps(out, _mm512_permutexvar_ps(order, z));
+}
+#endif
+
+// scores[i] = dot(q, key i) * scale for the committed keys 16 at a time where there are vectors (the
+// same bits as dot_heads one key at a time); returns how many it scored (the rest go one by one)
+template <typename T>
+inline int64_t score_committed(const T* q, const T* kbase, int64_t hd, int64_t p, T scale, T* scores) {
+  int64_t done = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    if (hd % BLOCK == 0) {
+      for (; done + 16 <= p; done += 16) {
+        dot16_keys_avx512(q, kbase + done * hd, hd, scores + done);
+        for (int k = 0; k < 16; ++k) scores[done + k] = scores[done + k] * scale;
+      }
+    }
+  }
+#endif
+  return done;
+}
+
 template <typename T>
 inline T dot_heads(const T* a, const T* b, int64_t n) {
 #if defined(__AVX512F__)
@@ -503,8 +557,9 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor kcache, torch::Tensor vca
         const scalar_t* vbase = vc + (sp[r] * nkv + kvh) * T * hd;
         if ((int64_t)scores.size() < p + W) scores.resize(p + W);
         scalar_t top = -std::numeric_limits<scalar_t>::infinity();
+        const int64_t blocked = score_committed(qrow, kbase, hd, p, scalar_t(scale), scores.data());
         const int64_t n = each_key([&](int64_t i, int64_t pos) {
-          scores[i] = dot_heads(qrow, kbase + pos * hd, hd) * scalar_t(scale);
+          if (i >= blocked) scores[i] = dot_heads(qrow, kbase + pos * hd, hd) * scalar_t(scale);
           top = scores[i] > top ? scores[i] : top;
         });
         exp_neg_inplace(scores.data(), n, top);
