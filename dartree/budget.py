@@ -27,9 +27,8 @@ what is verified changes, never how: the output stays exactly what the target al
 
 from __future__ import annotations
 
-from itertools import accumulate
-
 from dataclasses import dataclass, field, replace
+from itertools import accumulate
 
 import torch
 

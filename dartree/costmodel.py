@@ -9,10 +9,10 @@ does not, and how much it costs depends on the chip, the dtype and the thread co
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import time
-import bisect
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 

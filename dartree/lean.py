@@ -86,6 +86,7 @@ class LeanWeights:
             raise DartreeError(f"products must be one of {', '.join(PRODUCTS)}, got {products!r}")
         ext = kernels.load()
         self.products = products
+        self._ext = ext  # the compiled module, loaded once: ``product`` runs four times a layer
         prepare = ext.pack_weight if products == "exact" else (lambda w: w.detach().to(torch.bfloat16).contiguous())
         cfg = model.config
         self.model = model
@@ -136,7 +137,7 @@ class LeanWeights:
     def product(self, x: torch.Tensor, weight: torch.Tensor, n: int, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] @ W.T (+ residual) -> [M, n], W prepared for ``products``."""
         if self.products == "exact":
-            return kernels.load().product(x, weight, n, residual)
+            return self._ext.product(x, weight, n, residual)
         y = nn.functional.linear(x.to(torch.bfloat16), weight).to(self.dtype)
         return y if residual is None else y.add_(residual)
 
