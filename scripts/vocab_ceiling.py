@@ -9,6 +9,12 @@ them; plus the shipped drafter's own vocabulary) this prints the share of the ta
 benchmark tokens inside it, and the share of `dartree` rounds (B = 16 and 64, from records.jsonl)
 whose first rejected position holds a token outside it: those rounds would have ended there with
 any drafter of that vocabulary, so a larger vocabulary can lengthen at most that share of rounds.
+
+    .venv/bin/python scripts/vocab_ceiling.py --by-category data/smollm2-expanded [--json OUT]
+
+prints, per category of those shards, the share of response tokens inside the shipped drafter's
+vocabulary and inside V_d re-ranked on the other half: vocabularies ranked on the even sequences of
+every category, measured on the odd ones (out of sample for both).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from pathlib import Path
 import torch
 
 from dartree.loading import load_drafter
-from dartree.train.data import load_shards, shard_files
+from dartree.train.data import load_shards, sequence_category, shard_files
 from dartree.train.drafter import draft_vocabulary
 
 SIZES = (4096, 8192, 16384, 32768)
@@ -44,13 +50,48 @@ def ended_outside(records: list[dict], vocab: set[int], budget: int, depth: int)
     return outside, rounds
 
 
+def coverage_by_category(data: str, drafter: str) -> dict[str, dict[str, float]]:
+    seqs = load_shards(shard_files(data))
+    shipped = load_drafter(drafter)
+    n_target = int(shipped.config.vocab_size)
+    by_category: dict[str, list] = {}
+    for s in seqs:
+        by_category.setdefault(sequence_category(s), []).append(s)
+    ranked_on = [s for group in by_category.values() for s in group[0::2]]
+    masks = {f"shipped ({shipped.config.output_vocab_size})": shipped.draft_to_target(torch.arange(shipped.config.output_vocab_size))}
+    masks.update({str(v): draft_vocabulary(ranked_on, v, n_target) for v in SIZES})
+    for name, ids in masks.items():
+        mask = torch.zeros(n_target, dtype=torch.bool)
+        mask[ids] = True
+        masks[name] = mask
+    table = {}
+    print(f"{'category':>14} {'tokens':>8} " + " ".join(f"{name:>14}" for name in masks))
+    for category, group in sorted(by_category.items()):
+        measured = group[1::2]
+        if not measured:
+            continue
+        tokens = torch.cat([s.tokens[s.prompt_len:].long() for s in measured])
+        row = table[category] = {name: float(mask[tokens].float().mean()) for name, mask in masks.items()}
+        row["tokens"] = int(tokens.numel())
+        print(f"{category:>14} {tokens.numel():8d} " + " ".join(f"{row[name]:14.1%}" for name in masks))
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("replays", nargs="+", help="replay result folders (greedy.jsonl and records.jsonl)")
+    parser.add_argument("replays", nargs="*", help="replay result folders (greedy.jsonl and records.jsonl)")
+    parser.add_argument("--by-category", metavar="DATA", help="shard folder: coverage per category instead (see above)")
     parser.add_argument("--data", default="data/smollm2-selfdistill", help="training shards that rank the vocabulary")
     parser.add_argument("--drafter", default="dartree/assets/smollm2-drafter-domino")
     parser.add_argument("--json", help="also write the table here")
     args = parser.parse_args()
+    if args.by_category:
+        table = coverage_by_category(args.by_category, args.drafter)
+        if args.json:
+            Path(args.json).write_text(json.dumps(table, indent=1) + "\n")
+        return
+    if not args.replays:
+        parser.error("give replay result folders, or --by-category DATA")
     seqs = load_shards(shard_files(args.data))
     shipped = load_drafter(args.drafter)
     n_target = int(shipped.config.vocab_size)

@@ -469,3 +469,46 @@ def test_engine_data_with_bf16_products_writes_whole_shards_and_says_how(model_d
         for i, s in enumerate(seqs):
             assert s.tokens[: s.prompt_len].tolist() == [1, 2, len(f"prompt {3 * k + i}") % 8]
             assert 1 <= s.tokens.numel() - s.prompt_len <= 10
+
+
+def test_reranking_a_resumed_drafters_vocabulary_keeps_trained_rows_and_adds_the_targets(tiny_data, tmp_path):
+    """``--rerank-vocab --draft-vocab 14`` on an 8-token drafter: every kept token's base and
+    corrected logits are the trained drafter's, a new token's output row is the target's mapped by
+    the least-squares map of the kept rows and its correction row the kept rows' mean;
+    the re-ranked drafter trains, saves, loads and decodes greedy-exact."""
+    target_dir, target, data = tiny_data
+    base = dict(data=str(data), anchors=6, block_size=5, gru=16, rank=8, lr=3e-3, heldout_seqs=4, eval_new_tokens=8, eval_every=10,
+                save_every=10, tapped=[1, 2])
+    small = Trainer(target, TrainConfig(out=str(tmp_path / "small"), steps=10, draft_vocab=8, **base), "drafter")
+    small.run()
+    export(tmp_path / "small" / "checkpoint", tmp_path / "small-shipped", dtype=torch.float32)
+    wide = Trainer(target, TrainConfig(out=str(tmp_path / "wide"), steps=20, draft_vocab=14, rerank_vocab=True,
+                                       resume_from=str(tmp_path / "small-shipped"), **base), "drafter")
+    assert wide.step == 10 and wide.model.config.output_vocab_size == 14
+    old_ids = small.model.draft_to_target(torch.arange(8))
+    new_ids = wide.model.draft_to_target(torch.arange(14))
+    assert set(old_ids.tolist()) < set(new_ids.tolist()) and new_ids.tolist() == sorted(new_ids.tolist())
+    kept = wide.model.target_to_draft(16)[old_ids]  # new draft ids of the old vocabulary, in old order
+    added = torch.tensor([i for i in range(14) if i not in kept.tolist()])
+    target_rows = target.get_output_embeddings().weight.double()
+    to_trained = torch.linalg.lstsq(target_rows[old_ids], small.model.lm_head.weight.double()).solution
+    torch.testing.assert_close(wide.model.lm_head.weight[added], (target_rows[new_ids[added]] @ to_trained).float())
+    mean_row = small.model.head.embed_proj[2].weight.mean(0)
+    torch.testing.assert_close(wide.model.head.embed_proj[2].weight[added], mean_row.expand(len(added), -1))
+    small.model.eval(), wide.model.eval()
+    seq = small.heldout[0]
+    before = small.sequence_losses(seq, random.Random(3), grad=False)
+    after = wide.sequence_losses(seq, random.Random(3), grad=False)
+    for b, a in zip(before[3:5], after[3:5]):  # base and corrected logits over the kept tokens
+        torch.testing.assert_close(a[..., kept], b, rtol=0, atol=1e-6)
+    wide.model.train()
+    wide.run()
+    again = dartree.loading.load_drafter(tmp_path / "wide" / "checkpoint")
+    assert again.config.draft_vocab_size == 14 and torch.equal(again.draft_to_target(torch.arange(14)), new_ids)
+    pipe = dartree.load(target_dir, tmp_path / "wide" / "checkpoint", dtype=torch.float64)
+    for prompt in ([3, 1, 4], [2, 7], [9, 9, 5, 0]):
+        want = hf_greedy(pipe.target_model, prompt, 10)
+        assert pipe.generate(input_ids=prompt, method="dartree", max_new_tokens=10, stop_token_ids=[]).token_ids == want
+    full = Trainer(target, TrainConfig(out=str(tmp_path / "full"), steps=1, draft_vocab=0, **base), "drafter").model
+    with pytest.raises(dartree.errors.DartreeError, match="full output layer"):
+        dartree.train.drafter.rerank_vocabulary(full, new_ids, small.out_weight)

@@ -147,6 +147,9 @@ def add_drafter_args(steps) -> None:
         if name == "drafter":
             p.add_argument("--resume-from", help="continue training these drafter weights (e.g. dartree/assets/smollm2-drafter-domino) "
                            "at the step in its training.json, when --out has no checkpoint yet")
+            p.add_argument("--rerank-vocab", action="store_true",
+                           help="with --resume-from: re-rank the draft vocabulary on this run's data at size --draft-vocab "
+                                "(kept tokens keep their trained rows, new ones start from the target's output rows)")
         if name == "markov":
             p.add_argument("--init-drafter", default="runs/drafter/checkpoint", help="trained drafter whose backbone is kept")
         p.set_defaults(func=_run_train, stage=name)
@@ -175,10 +178,14 @@ def _run_train(args) -> int:
         cfg.init_drafter = args.init_drafter
     else:
         cfg.resume_from = args.resume_from
+        cfg.rerank_vocab = args.rerank_vocab
+        if cfg.rerank_vocab and not cfg.resume_from:
+            raise DartreeError("--rerank-vocab re-ranks a resumed drafter's vocabulary; pass --resume-from too "
+                               "(a new drafter's vocabulary is always ranked on its data)")
     prior = None
     tokenizer = load_tokenizer(Path(args.target) if args.target else default_target_dir())
     if (args.stage == "drafter" and cfg.draft_vocab and Path(args.prompts).is_dir() and tokenizer is not None
-            and not (Path(cfg.out) / "checkpoint").is_dir() and not cfg.resume_from):
+            and not (Path(cfg.out) / "checkpoint").is_dir() and (not cfg.resume_from or cfg.rerank_vocab)):
         prior = reference_token_counts(args.prompts, tokenizer, target.config.vocab_size)
     trainer = Trainer(target, cfg, args.stage, vocab_prior=prior, tokenizer=tokenizer, prompts_dir=args.prompts)
     print("training sequences by category: " + ", ".join(f"{c} {n}" for c, n in trainer.category_counts().items()))
