@@ -11,6 +11,7 @@ import importlib.util
 import os
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -52,8 +53,8 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    tmp = out_dir.with_name(out_dir.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
+    # A folder of its own: two processes started together on a fresh machine both convert.
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=out_dir.name + ".partial-"))
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -65,7 +66,18 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    tmp.rename(out_dir)  # atomic: a half-written cache is never mistaken for a finished one
+    publish(tmp, out_dir)
+
+
+def publish(tmp: Path, out_dir: Path) -> None:
+    """Move a finished conversion into place, atomically, so a half-written cache is never mistaken
+    for a finished one; where another process got there first, keep its copy and drop this one."""
+    try:
+        tmp.rename(out_dir)
+    except OSError:
+        if not (out_dir / "config.json").is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def default_target_dir(verbose: bool = True) -> Path:

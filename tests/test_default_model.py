@@ -59,3 +59,23 @@ def test_the_server_answers_like_ar_on_the_default_model(pipe):
         streamed = "".join(c.choices[0].delta.content or "" for c in api.chat.completions.create(
             model="dartree", messages=messages, temperature=0, max_tokens=32, stream=True) if c.choices)
     assert res.choices[0].message.content == want == streamed
+
+
+def test_two_first_runs_at_once_share_one_converted_checkpoint(tmp_path):
+    """Two processes converting on a fresh machine: the later finished copy yields to the first."""
+    from dartree.default_model import publish
+
+    out = tmp_path / "model"
+    for name, text in (("a", "first"), ("b", "second")):
+        tmp = tmp_path / f"model.partial-{name}"
+        tmp.mkdir()
+        (tmp / "config.json").write_text(text)
+        publish(tmp, out)
+        assert not tmp.exists()
+    assert (out / "config.json").read_text() == "first"
+    half = tmp_path / "other.partial-c"
+    half.mkdir()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "stray").write_text("")
+    with pytest.raises(OSError):  # a folder in the way that is no finished checkpoint is not hidden
+        publish(half, tmp_path / "other")
