@@ -50,6 +50,14 @@ def ended_outside(records: list[dict], vocab: set[int], budget: int, depth: int)
     return outside, rounds
 
 
+def candidate_vocabularies(shipped, ranked_on: list) -> dict[str, torch.Tensor]:
+    """Target ids of the shipped drafter's vocabulary and of each size in SIZES ranked on ``ranked_on``."""
+    size = shipped.config.output_vocab_size
+    vocabs = {f"shipped ({size})": shipped.draft_to_target(torch.arange(size))}
+    vocabs.update({str(v): draft_vocabulary(ranked_on, v, int(shipped.config.vocab_size)) for v in SIZES})
+    return vocabs
+
+
 def coverage_by_category(data: str, drafter: str) -> dict[str, dict[str, float]]:
     seqs = load_shards(shard_files(data))
     shipped = load_drafter(drafter)
@@ -58,12 +66,10 @@ def coverage_by_category(data: str, drafter: str) -> dict[str, dict[str, float]]
     for s in seqs:
         by_category.setdefault(sequence_category(s), []).append(s)
     ranked_on = [s for group in by_category.values() for s in group[0::2]]
-    masks = {f"shipped ({shipped.config.output_vocab_size})": shipped.draft_to_target(torch.arange(shipped.config.output_vocab_size))}
-    masks.update({str(v): draft_vocabulary(ranked_on, v, n_target) for v in SIZES})
-    for name, ids in masks.items():
-        mask = torch.zeros(n_target, dtype=torch.bool)
-        mask[ids] = True
-        masks[name] = mask
+    masks = {}
+    for name, ids in candidate_vocabularies(shipped, ranked_on).items():
+        masks[name] = torch.zeros(n_target, dtype=torch.bool)
+        masks[name][ids] = True
     table = {}
     print(f"{'category':>14} {'tokens':>8} " + " ".join(f"{name:>14}" for name in masks))
     for category, group in sorted(by_category.items()):
@@ -94,11 +100,8 @@ def main() -> None:
         parser.error("give replay result folders, or --by-category DATA")
     seqs = load_shards(shard_files(args.data))
     shipped = load_drafter(args.drafter)
-    n_target = int(shipped.config.vocab_size)
     depth = shipped.config.num_draft_depths
-    vocabs = {f"shipped ({shipped.config.output_vocab_size})":
-              set(shipped.draft_to_target(torch.arange(shipped.config.output_vocab_size)).tolist())}
-    vocabs.update({str(v): set(draft_vocabulary(seqs, v, n_target).tolist()) for v in SIZES})
+    vocabs = {name: set(ids.tolist()) for name, ids in candidate_vocabularies(shipped, seqs).items()}
     table = {}
     for folder in map(Path, args.replays):
         greedy = [t for line in open(folder / "greedy.jsonl") for t in json.loads(line)["tokens"]]

@@ -210,10 +210,8 @@ def rerank_vocabulary(model: DrafterModel, vocab: torch.Tensor, out_weight: torc
     if model.d2t is None:
         raise DartreeError("the drafter has the target's full output layer; there is no draft vocabulary to re-rank")
     vocab = vocab.to(model.d2t.device).long()
-    old_ids = model.draft_to_target(torch.arange(model.config.output_vocab_size, device=vocab.device))
-    old_index = torch.full((out_weight.shape[0],), -1, dtype=torch.long, device=vocab.device)
-    old_index[old_ids] = torch.arange(old_ids.numel(), device=vocab.device)
-    src = old_index[vocab]
+    old_size = model.config.output_vocab_size
+    src = model.target_to_draft(out_weight.shape[0]).to(vocab.device)[vocab]  # old draft id of each new token, -1: new
     kept = src >= 0
     ref = model.lm_head.weight
     target_rows = out_weight.to(device=ref.device, dtype=torch.float64)
@@ -232,7 +230,7 @@ def rerank_vocabulary(model: DrafterModel, vocab: torch.Tensor, out_weight: torc
         last.weight = torch.nn.Parameter(w)
         last.out_features = vocab.numel()
     model.config.draft_vocab_size = int(vocab.numel())
-    return {"kept": int(kept.sum()), "added": int((~kept).sum()), "dropped": int(old_ids.numel() - kept.sum())}
+    return {"kept": int(kept.sum()), "added": int((~kept).sum()), "dropped": int(old_size - kept.sum())}
 
 
 def block_batch(seq: Sequence, anchors: int, block: int, rng: random.Random):
