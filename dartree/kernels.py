@@ -29,26 +29,30 @@ CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fope
 LDFLAGS = ["-fopenmp"]
 
 
-def build_dir() -> Path:
+def build_dir(extra_cflags: tuple[str, ...] = ()) -> Path:
     model, flags = cpu_info()
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), torch.__version__, " ".join(CFLAGS + LDFLAGS), model,
-                                    " ".join(sorted(flags))]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), torch.__version__, " ".join(CFLAGS + list(extra_cflags) + LDFLAGS),
+                                    model, " ".join(sorted(flags))]).encode()).hexdigest()[:16]
     return cache_root() / "kernels" / key
 
 
-@functools.lru_cache(maxsize=1)
-def load(verbose: bool = False):
-    """The compiled module (built first when this machine has none yet)."""
+@functools.lru_cache(maxsize=None)
+def load(verbose: bool = False, extra_cflags: tuple[str, ...] = ()):
+    """The compiled module (built first when this machine has none yet). ``extra_cflags`` builds a
+    variant beside it (for instance ``("-mno-avx512f",)``: the AVX2 paths on an AVX-512 CPU), which
+    the tests use to check that every instruction-set path gives the same bits."""
     from torch.utils.cpp_extension import load as load_extension
 
     # torch finds ninja on PATH: the one installed beside this Python (pip's ninja) comes first
     os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    out = build_dir()
+    out = build_dir(extra_cflags)
     out.mkdir(parents=True, exist_ok=True)
     if not any(out.glob("*.so")):
         print(f"dartree: compiling the lean forward's kernels for this CPU into {out} (once, about a minute)",
               file=sys.stderr)
-    return load_extension(name="dartree_lean_kernels", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+    # a variant is a module of its own name, so that it loads beside the default one
+    name = "dartree_lean_kernels" + (f"_{out.name}" if extra_cflags else "")
+    return load_extension(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS + list(extra_cflags),
                           extra_ldflags=LDFLAGS, build_directory=str(out), verbose=verbose)
 
 

@@ -280,3 +280,42 @@ def test_attention_scores_committed_keys_in_blocks_with_the_bits_of_one_at_a_tim
         ref = torch.softmax((q.view(nh, 1, hd) @ k[0].repeat_interleave(nh // nkv, 0)[:, :p].transpose(1, 2)) * hd ** -0.5, -1)
         ref = (ref @ v[0].repeat_interleave(nh // nkv, 0)[:, :p]).reshape(1, nh * hd)
         torch.testing.assert_close(committed, ref, rtol=1e-5, atol=1e-5)
+
+
+# Builds of the kernels without AVX-512 (the AVX2 paths) and without AVX2/FMA (the scalar code);
+# on a CPU without AVX-512 the native build is the AVX2 one.
+ISA_VARIANTS = {"no AVX-512": ("-mno-avx512f",), "scalar": ("-mno-avx512f", "-mno-avx2", "-mno-fma")}
+
+
+@pytest.mark.parametrize("variant", list(ISA_VARIANTS))
+def test_every_instruction_set_path_gives_the_same_bits(variant):
+    """The vector paths (AVX-512, AVX2) use only correctly rounded operations in the scalar code's
+    order, so the kernels built for another instruction set give bit for bit what the native build
+    gives: products, norms, SwiGLU and attention, float32 and float64, over row counts, head sizes
+    and visibility patterns that reach the blocked, the remainder and the one-at-a-time code."""
+    other = kernels.load(extra_cflags=ISA_VARIANTS[variant])
+    gen = torch.Generator().manual_seed(5)
+    for dtype in (torch.float32, torch.float64):
+        for n, k in ((960, 576), (100, 37)):
+            w = torch.randn(n, k, generator=gen, dtype=dtype)
+            packed, packed_other = ext.pack_weight(w), other.pack_weight(w)
+            for m in (1, 2, 3, 5, 8, 17, 130):
+                x = torch.randn(m, k, generator=gen, dtype=dtype)
+                res = torch.randn(m, n, generator=gen, dtype=dtype)
+                assert torch.equal(ext.product(x, packed, n, res), other.product(x, packed_other, n, res)), (dtype, n, m)
+        gu = torch.randn(33, 2 * 1539, generator=gen, dtype=dtype) * 6
+        assert torch.equal(ext.swiglu(gu), other.swiglu(gu))
+        x, w = torch.randn(33, 577, generator=gen, dtype=dtype), torch.randn(577, generator=gen, dtype=dtype)
+        assert torch.equal(ext.rmsnorm(x, w, 1e-5), other.rmsnorm(x, w, 1e-5))
+        nh, nkv, slots_count, capacity = 6, 2, 3, 120
+        for hd in (64, 128, 48):
+            k = torch.randn(slots_count, nkv, capacity, hd, generator=gen, dtype=dtype)
+            v = torch.randn(slots_count, nkv, capacity, hd, generator=gen, dtype=dtype)
+            for rows, width in ((1, 1), (7, 5), (20, 17)):
+                q = torch.randn(rows, nh * hd, generator=gen, dtype=dtype) * 3
+                slots = torch.randint(0, slots_count, (rows,), generator=gen)
+                past = torch.randint(0, capacity - width, (rows,), generator=gen)
+                visible = (torch.rand(rows, width, generator=gen) < 0.6).to(torch.uint8)
+                visible[:, 0] = 1
+                args = (slots, past, visible, nh, hd ** -0.5)
+                assert torch.equal(ext.attention(q, k, v, *args), other.attention(q, k, v, *args)), (dtype, hd, rows)

@@ -20,6 +20,11 @@
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+// Without AVX-512, the float kernels take 8-lane AVX2 paths: the same operations in the same order,
+// so the same bits as the scalar code and as the AVX-512 paths.
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define DARTREE_AVX2 1
+#endif
 
 namespace {
 
@@ -36,22 +41,6 @@ struct Lanes {
   inline void fma(const Lanes& w, T x) { for (int j = 0; j < BLOCK; ++j) v[j] = std::fma(w.v[j], x, v[j]); }
   inline void store(T* p) const { for (int j = 0; j < BLOCK; ++j) p[j] = v[j]; }
 };
-
-// With AVX-512, float products take product_tile's own register path; this is the AVX2 one.
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-template <>
-struct Lanes<float> {
-  __m256 lo, hi;
-  static inline Lanes zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
-  static inline Lanes load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
-  inline void fma(const Lanes& w, float x) {
-    __m256 b = _mm256_set1_ps(x);
-    lo = _mm256_fmadd_ps(w.lo, b, lo);
-    hi = _mm256_fmadd_ps(w.hi, b, hi);
-  }
-  inline void store(float* p) const { _mm256_storeu_ps(p, lo); _mm256_storeu_ps(p + 8, hi); }
-};
-#endif
 
 template <typename T>
 inline void store_tile_row(const T* out, T* dst, const T* res, int64_t n) {
@@ -101,6 +90,43 @@ inline void product_tile(const T* x, int64_t ldx, const T* wp, int64_t K, T* y, 
       }
     return;
   }
+#elif defined(DARTREE_AVX2)
+  if constexpr (std::is_same_v<T, float>) {
+    // the same plain-register path in two 8-lane halves per block (lo at +0, hi at +8: the layout of
+    // ``part`` that Lanes uses too); the tile is sized for AVX2's 16 registers (ROWS_PER_TILE)
+    __m256 acc[2 * R * NB];
+#pragma GCC unroll 32
+    for (int i = 0; i < 2 * R * NB; ++i) acc[i] = k0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(part + i * 8);
+    for (int64_t k = k0; k < k1; ++k) {
+      __m256 w[2 * NB];
+#pragma GCC unroll 8
+      for (int b = 0; b < NB; ++b) {
+        w[2 * b] = _mm256_loadu_ps(wp + ((int64_t)b * K + k) * BLOCK);
+        w[2 * b + 1] = _mm256_loadu_ps(wp + ((int64_t)b * K + k) * BLOCK + 8);
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);
+#pragma GCC unroll 8
+        for (int i = 0; i < 2 * NB; ++i) acc[r * 2 * NB + i] = _mm256_fmadd_ps(w[i], xv, acc[r * 2 * NB + i]);
+      }
+    }
+    if (k1 < K) {
+#pragma GCC unroll 32
+      for (int i = 0; i < 2 * R * NB; ++i) _mm256_storeu_ps(part + i * 8, acc[i]);
+      return;
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int b = 0; b < NB; ++b) {
+        _mm256_store_ps(out, acc[(r * NB + b) * 2]);
+        _mm256_store_ps(out + 8, acc[(r * NB + b) * 2 + 1]);
+        const int64_t c = col0 + (int64_t)b * BLOCK;
+        store_tile_row(out, y + r * ldy + c, res ? res + r * ldr + c : nullptr, std::min<int64_t>(BLOCK, N - c));
+      }
+    return;
+  }
 #endif
   Lanes<T> acc[R][NB];
   for (int r = 0; r < R; ++r)
@@ -129,8 +155,18 @@ inline void product_tile(const T* x, int64_t ldx, const T* wp, int64_t K, T* y, 
 // 8 rows x 3 blocks: 24 accumulators, 3 weight registers and the broadcast row value in the 32 vector
 // registers (measured on the SmolLM2 shapes: 0.82-0.85x the time of 4 x 4 tiles at 8 rows, the same
 // at 1-4 and 64 rows)
+#if defined(__AVX512F__)
 constexpr int ROWS_PER_TILE = 8;
 constexpr int BLOCKS_PER_TILE = 3;
+#else
+// AVX2 has 16 vector registers: 2 rows x 3 blocks is 12 accumulators (two halves a block), the
+// weights read as the fmas' memory operands. Measured on an AMD EPYC Zen 3 (AVX2, one thread, the
+// SmolLM2 layer shapes; tiles of 1x3, 3x2, 4x1 and 6x1 tried too): 12.6 / 33 / 44 / 54 / 65 / 70
+// GFLOP/s at 1 / 4 / 8 / 16 / 64 / 128 rows, where the 8 x 3 tile's wrapper-struct lanes (spilled)
+// gave 12.3 / 37 / 29 / 28 / 29 / 29
+constexpr int ROWS_PER_TILE = 2;
+constexpr int BLOCKS_PER_TILE = 3;
+#endif
 
 template <typename T, int R>
 inline void product_rows(const T* x, int64_t ldx, const T* wp, int64_t K, T* y, int64_t ldy, int64_t b0, int64_t nb,
@@ -252,6 +288,41 @@ inline void dot16_keys_avx512(const float* q, const float* keys, int64_t n, floa
 }
 #endif
 
+#if defined(DARTREE_AVX2)
+// the 16 lanes' pairwise tree (j with j + 8, + 4, + 2, + 1) of lanes held as two 8-lane halves
+inline float tree16_avx2(__m256 lo, __m256 hi) {
+  const __m256 s8 = _mm256_add_ps(lo, hi);
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
+// dot_fixed for float with n a multiple of 16 (lanes 0-7 and 8-15 in two registers)
+inline float dot_fixed_avx2(const float* a, const float* b, int64_t n) {
+  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += BLOCK) {
+    lo = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), lo);
+    hi = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), hi);
+  }
+  return tree16_avx2(lo, hi);
+}
+
+// dot_fixed_avx2 of one query against 4 consecutive keys (key k at keys + k * n), side by side so
+// that the fmas of one key do not wait on each other
+inline void dot4_keys_avx2(const float* q, const float* keys, int64_t n, float* out) {
+  __m256 lo[4], hi[4];
+  for (int k = 0; k < 4; ++k) lo[k] = hi[k] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += BLOCK) {
+    const __m256 ql = _mm256_loadu_ps(q + i), qh = _mm256_loadu_ps(q + i + 8);
+    for (int k = 0; k < 4; ++k) {
+      lo[k] = _mm256_fmadd_ps(ql, _mm256_loadu_ps(keys + k * n + i), lo[k]);
+      hi[k] = _mm256_fmadd_ps(qh, _mm256_loadu_ps(keys + k * n + i + 8), hi[k]);
+    }
+  }
+  for (int k = 0; k < 4; ++k) out[k] = tree16_avx2(lo[k], hi[k]);
+}
+#endif
+
 // scores[i] = dot(q, key i) * scale for the committed keys 16 at a time where there are vectors (the
 // same bits as dot_heads one key at a time); returns how many it scored (the rest go one by one)
 template <typename T>
@@ -266,6 +337,15 @@ inline int64_t score_committed(const T* q, const T* kbase, int64_t hd, int64_t p
       }
     }
   }
+#elif defined(DARTREE_AVX2)
+  if constexpr (std::is_same_v<T, float>) {
+    if (hd % BLOCK == 0) {
+      for (; done + 4 <= p; done += 4) {
+        dot4_keys_avx2(q, kbase + done * hd, hd, scores + done);
+        for (int k = 0; k < 4; ++k) scores[done + k] = scores[done + k] * scale;
+      }
+    }
+  }
 #endif
   return done;
 }
@@ -275,6 +355,10 @@ inline T dot_heads(const T* a, const T* b, int64_t n) {
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<T, float>) {
     if (n % BLOCK == 0) return dot_fixed_avx512(a, b, n);
+  }
+#elif defined(DARTREE_AVX2)
+  if constexpr (std::is_same_v<T, float>) {
+    if (n % BLOCK == 0) return dot_fixed_avx2(a, b, n);
   }
 #endif
   return dot_fixed(a, b, n);
@@ -364,6 +448,44 @@ inline void weighted_values16(const float* p, const float* vbase, EachKey&& each
 }
 #endif
 
+#if defined(DARTREE_AVX2)
+// exp_neg16, silu16 and weighted_values16 on 8 lanes
+inline __m256 exp_neg8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(float(-87.0)));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(float(1.4426950408889634))),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(float(-1.4286068203094172e-06)),
+                                   _mm256_fmadd_ps(n, _mm256_set1_ps(float(-0.693145751953125)), x));
+  const float c[] = {float(1.0 / 3628800.0), float(1.0 / 362880.0), float(1.0 / 40320.0), float(1.0 / 5040.0),
+                     float(1.0 / 720.0), float(1.0 / 120.0), float(1.0 / 24.0), float(1.0 / 6.0), 0.5f, 1.0f, 1.0f};
+  __m256 p = _mm256_set1_ps(float(1.0 / 39916800.0));
+  for (float ci : c) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(ci));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+inline __m256 silu8(__m256 g) {
+  const __m256 pos = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_GE_OQ);
+  const __m256 neg_abs = _mm256_blendv_ps(g, _mm256_sub_ps(_mm256_setzero_ps(), g), pos);  // -g where g >= 0
+  const __m256 e = exp_neg8(neg_abs);
+  const __m256 num = _mm256_blendv_ps(_mm256_mul_ps(g, e), g, pos);
+  return _mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+
+template <int C, typename EachKey>
+inline void weighted_values8(const float* p, const float* vbase, EachKey&& each_key, float total, float* o) {
+  __m256 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
+  each_key([&](int64_t i, int64_t pos) {
+    const float* v = vbase + pos * (8 * C);
+    const __m256 pi = _mm256_set1_ps(p[i]);
+    for (int c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(pi, _mm256_loadu_ps(v + 8 * c), acc[c]);
+  });
+  const __m256 t = _mm256_set1_ps(total);
+  for (int c = 0; c < C; ++c) _mm256_storeu_ps(o + 8 * c, _mm256_div_ps(acc[c], t));
+}
+#endif
+
 // o[d] = (sum over the row's keys i, in cache order, of p_i * v_i[d], one fma each) / total
 template <typename T, typename EachKey>
 inline void weighted_values(const T* p, const T* vbase, EachKey&& each_key, T total, T* o, T* acc, int64_t hd) {
@@ -371,6 +493,11 @@ inline void weighted_values(const T* p, const T* vbase, EachKey&& each_key, T to
   if constexpr (std::is_same_v<T, float>) {
     if (hd == 64) return weighted_values16<4>(p, vbase, each_key, total, o);
     if (hd == 128) return weighted_values16<8>(p, vbase, each_key, total, o);
+  }
+#elif defined(DARTREE_AVX2)
+  if constexpr (std::is_same_v<T, float>) {
+    if (hd == 64) return weighted_values8<8>(p, vbase, each_key, total, o);
+    if (hd == 128) return weighted_values8<16>(p, vbase, each_key, total, o);
   }
 #endif
   for (int64_t d = 0; d < hd; ++d) acc[d] = 0;
@@ -391,6 +518,11 @@ inline void swiglu_row(const T* gate, const T* up, T* out, int64_t I) {
     for (; i + BLOCK <= I; i += BLOCK)
       _mm512_storeu_ps(out + i, _mm512_mul_ps(silu16(_mm512_loadu_ps(gate + i)), _mm512_loadu_ps(up + i)));
   }
+#elif defined(DARTREE_AVX2)
+  if constexpr (std::is_same_v<T, float>) {
+    for (; i + 8 <= I; i += 8)
+      _mm256_storeu_ps(out + i, _mm256_mul_ps(silu8(_mm256_loadu_ps(gate + i)), _mm256_loadu_ps(up + i)));
+  }
 #endif
   for (; i < I; ++i) out[i] = silu(gate[i]) * up[i];
 }
@@ -404,6 +536,11 @@ inline void exp_neg_inplace(T* s, int64_t n, T shift) {
   if constexpr (std::is_same_v<T, float>) {
     const __m512 sh = _mm512_set1_ps(shift);
     for (; i + BLOCK <= n; i += BLOCK) _mm512_storeu_ps(s + i, exp_neg16(_mm512_sub_ps(_mm512_loadu_ps(s + i), sh)));
+  }
+#elif defined(DARTREE_AVX2)
+  if constexpr (std::is_same_v<T, float>) {
+    const __m256 sh = _mm256_set1_ps(shift);
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(s + i, exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(s + i), sh)));
   }
 #endif
   for (; i < n; ++i) s[i] = exp_neg(s[i] - shift);
@@ -421,6 +558,16 @@ inline T sum_fixed(const T* s, int64_t n) {
     __m512 acc = _mm512_setzero_ps();
     for (; i + BLOCK <= n; i += BLOCK) acc = _mm512_add_ps(acc, _mm512_loadu_ps(s + i));
     _mm512_storeu_ps(lanes, acc);
+  }
+#elif defined(DARTREE_AVX2)
+  if constexpr (std::is_same_v<T, float>) {
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    for (; i + BLOCK <= n; i += BLOCK) {
+      lo = _mm256_add_ps(lo, _mm256_loadu_ps(s + i));
+      hi = _mm256_add_ps(hi, _mm256_loadu_ps(s + i + 8));
+    }
+    _mm256_storeu_ps(lanes, lo);
+    _mm256_storeu_ps(lanes + 8, hi);
   }
 #endif
   for (; i + BLOCK <= n; i += BLOCK)
