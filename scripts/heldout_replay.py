@@ -27,9 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import dartree  # noqa: E402
-from dartree.bench.datasets import load_samples, select  # noqa: E402
 from dartree.hardware import describe_machine  # noqa: E402
-from dartree.train.drafter import heldout_prompts, replay_tau_by_category  # noqa: E402
+from dartree.train.drafter import heldout_replay_items, replay_tau_by_category  # noqa: E402
 from dartree.trees import TreeSettings, make_builder  # noqa: E402
 
 METHODS = {"dflash": ("dflash", TreeSettings()), "dartree B=16": ("dartree", TreeSettings(budget=16)),
@@ -53,11 +52,7 @@ def main() -> int:
     for drafter in args.drafter:
         pipe = dartree.load(drafter=drafter, threads=args.threads, cost_model=None)
         if items is None:
-            items = [(p.category, pipe.encode(messages=[{"role": "user", "content": p.text}]))
-                     for p in heldout_prompts(args.prompts, args.per_file)]
-            for dataset in ("mt-bench", "alpaca"):
-                items += [(dataset, pipe.encode(messages=[{"role": "user", "content": s.turns[0]}]))
-                          for s in select(load_samples(dataset), args.per_benchmark)]
+            items = heldout_replay_items(pipe, args.prompts, args.per_file, args.per_benchmark)
             print(f"{len(items)} held-out prompts", file=sys.stderr)
         builders = {name: make_builder(method, settings) for name, (method, settings) in METHODS.items()}
         results[drafter] = replay_tau_by_category(pipe, items, builders, args.max_new_tokens, out / "greedy.jsonl")

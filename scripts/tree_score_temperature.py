@@ -26,8 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import dartree  # noqa: E402
-from dartree.bench.datasets import load_samples, select  # noqa: E402
-from dartree.train.drafter import heldout_prompts, replay_tau_by_category  # noqa: E402
+from dartree.train.drafter import heldout_replay_items, replay_tau_by_category  # noqa: E402
 from dartree.trees import TreeSettings, make_builder  # noqa: E402
 
 
@@ -64,20 +63,17 @@ def main() -> int:
     if Path(args.greedy).exists():
         shutil.copy(args.greedy, greedy)
     pipe = dartree.load(threads=args.threads, cost_model=None)
-    items = [(p.category, pipe.encode(messages=[{"role": "user", "content": p.text}]))
-             for p in heldout_prompts(args.prompts, args.per_file)]
-    for dataset in ("mt-bench", "alpaca"):
-        items += [(dataset, pipe.encode(messages=[{"role": "user", "content": s.turns[0]}]))
-                  for s in select(load_samples(dataset), 20)]
+    items = heldout_replay_items(pipe, args.prompts, args.per_file, per_benchmark=20)
     head = pipe.head
     with open(args.out, "w") as out:
         for temperature in (float(t) for t in args.temperatures.split(",")):
             pipe.head = TemperedHead(head, temperature)
-            builders = {(temperature, beta, budget): make_builder("dartree", TreeSettings(budget=budget, beta=beta))
-                        for beta in (float(b) for b in args.betas.split(",")) for budget in (int(b) for b in args.budgets.split(","))}
-            named = {f"T={t} beta={b} B={n}": builder for (t, b, n), builder in builders.items()}
-            for (t, b, n), tau in zip(builders, replay_tau_by_category(pipe, items, named, 96, greedy).values()):
-                record = {"temperature": t, "beta": b, "budget": n, "tau": tau}
+            grid = {f"T={temperature} beta={beta} B={budget}": (beta, budget)
+                    for beta in (float(b) for b in args.betas.split(",")) for budget in (int(b) for b in args.budgets.split(","))}
+            builders = {name: make_builder("dartree", TreeSettings(budget=budget, beta=beta)) for name, (beta, budget) in grid.items()}
+            for name, tau in replay_tau_by_category(pipe, items, builders, 96, greedy).items():
+                beta, budget = grid[name]
+                record = {"temperature": temperature, "beta": beta, "budget": budget, "tau": tau}
                 out.write(json.dumps(record) + "\n")
                 out.flush()
                 print(json.dumps(record), flush=True)

@@ -297,6 +297,20 @@ def heldout_prompts(prompts_dir: str | Path, per_file: int) -> list[TrainingProm
     return out
 
 
+def heldout_replay_items(pipe: Pipeline, prompts_dir: str | Path, per_file: int, per_benchmark: int) -> list[tuple[str, torch.Tensor]]:
+    """(category, prompt ids) of the held-out replay prompts: ``heldout_prompts`` by their categories,
+    then the first turns of ``per_benchmark`` MT-Bench and AlpacaEval prompts (categories "mt-bench",
+    "alpaca"), each in the chat template."""
+    from ..bench.datasets import load_samples, select
+
+    items = [(p.category, pipe.encode(messages=[{"role": "user", "content": p.text}]))
+             for p in heldout_prompts(prompts_dir, per_file)]
+    for dataset in ("mt-bench", "alpaca"):
+        items += [(dataset, pipe.encode(messages=[{"role": "user", "content": s.turns[0]}]))
+                  for s in select(load_samples(dataset), per_benchmark)]
+    return items
+
+
 @torch.no_grad()
 def replay_tau_by_category(pipe: Pipeline, items: list[tuple[str, torch.Tensor]], builders: dict[str, TreeBuilder],
                            max_new_tokens: int, greedy_path: Path | None = None) -> dict[str, dict[str, float]]:
