@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -159,8 +160,8 @@ inline void product_tile(const T* x, int64_t ldx, const T* wp, int64_t K, T* y, 
 constexpr int ROWS_PER_TILE = 8;
 constexpr int BLOCKS_PER_TILE = 3;
 #else
-// AVX2 has 16 vector registers: 2 rows x 3 blocks is 12 accumulators (two halves a block), the
-// weights read as the fmas' memory operands. Measured on an AMD EPYC Zen 3 (AVX2, one thread, the
+// AVX2 has 16 vector registers: 2 rows x 3 blocks is 12 accumulators (two halves a block), each
+// step's 6 weight vectors shared by the 2 rows. Measured on an AMD EPYC Zen 3 (AVX2, one thread, the
 // SmolLM2 layer shapes; tiles of 1x3, 3x2, 4x1 and 6x1 tried too): 12.6 / 33 / 44 / 54 / 65 / 70
 // GFLOP/s at 1 / 4 / 8 / 16 / 64 / 128 rows, where the 8 x 3 tile's wrapper-struct lanes (spilled)
 // gave 12.3 / 37 / 29 / 28 / 29 / 29
@@ -382,6 +383,13 @@ inline T pow2(int64_t n) {
   return f;
 }
 
+// exp_neg's constants, one list for the scalar code and every vector path (their bits must agree):
+// log2(e), ln 2 split high / low for the Cody-Waite reduction, and the degree-11 Taylor coefficients
+// in Horner order (1/11! first)
+constexpr double EXP_LOG2E = 1.4426950408889634, EXP_LN2_HI = -0.693145751953125, EXP_LN2_LO = -1.4286068203094172e-06;
+constexpr double EXP_TAYLOR[] = {1.0 / 39916800.0, 1.0 / 3628800.0, 1.0 / 362880.0, 1.0 / 40320.0, 1.0 / 5040.0, 1.0 / 720.0,
+                                 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0};
+
 // exp(x) for x <= 0 from correctly rounded operations only (Cody-Waite reduction, degree-11 Taylor
 // polynomial in Horner form), so that a vectorised loop and its scalar tail agree bit for bit.
 // Relative error ~1e-7 in float, ~1e-13 in double: well inside the fp32 summation tolerance.
@@ -389,12 +397,10 @@ template <typename T>
 inline T exp_neg(T x) {
   const T lo_limit = sizeof(T) == 4 ? T(-87.0) : T(-708.0);
   x = x < lo_limit ? lo_limit : x;
-  const T n = std::nearbyint(x * T(1.4426950408889634));
-  const T r = std::fma(n, T(-1.4286068203094172e-06), std::fma(n, T(-0.693145751953125), x));
-  T p = T(1.0 / 39916800.0);
-  const T c[] = {T(1.0 / 3628800.0), T(1.0 / 362880.0), T(1.0 / 40320.0), T(1.0 / 5040.0), T(1.0 / 720.0),
-                 T(1.0 / 120.0), T(1.0 / 24.0), T(1.0 / 6.0), T(0.5), T(1.0), T(1.0)};
-  for (T ci : c) p = std::fma(p, r, ci);
+  const T n = std::nearbyint(x * T(EXP_LOG2E));
+  const T r = std::fma(n, T(EXP_LN2_LO), std::fma(n, T(EXP_LN2_HI), x));
+  T p = T(EXP_TAYLOR[0]);
+  for (size_t i = 1; i < std::size(EXP_TAYLOR); ++i) p = std::fma(p, r, T(EXP_TAYLOR[i]));
   return p * pow2<T>((int64_t)n);  // an exact scaling: n >= -126 (float) / -1022 (double), 2^n is normal
 }
 
@@ -411,14 +417,11 @@ inline T silu(T g) {
 // is nearbyint, the power of two is built from the same bits), so a lane gives the scalar bits.
 inline __m512 exp_neg16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(float(-87.0)));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(float(1.4426950408889634))),
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(float(EXP_LOG2E))),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(float(-1.4286068203094172e-06)),
-                                   _mm512_fmadd_ps(n, _mm512_set1_ps(float(-0.693145751953125)), x));
-  const float c[] = {float(1.0 / 3628800.0), float(1.0 / 362880.0), float(1.0 / 40320.0), float(1.0 / 5040.0),
-                     float(1.0 / 720.0), float(1.0 / 120.0), float(1.0 / 24.0), float(1.0 / 6.0), 0.5f, 1.0f, 1.0f};
-  __m512 p = _mm512_set1_ps(float(1.0 / 39916800.0));
-  for (float ci : c) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(ci));
+  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(float(EXP_LN2_LO)), _mm512_fmadd_ps(n, _mm512_set1_ps(float(EXP_LN2_HI)), x));
+  __m512 p = _mm512_set1_ps(float(EXP_TAYLOR[0]));
+  for (size_t i = 1; i < std::size(EXP_TAYLOR); ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(float(EXP_TAYLOR[i])));
   const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
@@ -452,14 +455,11 @@ inline void weighted_values16(const float* p, const float* vbase, EachKey&& each
 // exp_neg16, silu16 and weighted_values16 on 8 lanes
 inline __m256 exp_neg8(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(float(-87.0)));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(float(1.4426950408889634))),
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(float(EXP_LOG2E))),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(float(-1.4286068203094172e-06)),
-                                   _mm256_fmadd_ps(n, _mm256_set1_ps(float(-0.693145751953125)), x));
-  const float c[] = {float(1.0 / 3628800.0), float(1.0 / 362880.0), float(1.0 / 40320.0), float(1.0 / 5040.0),
-                     float(1.0 / 720.0), float(1.0 / 120.0), float(1.0 / 24.0), float(1.0 / 6.0), 0.5f, 1.0f, 1.0f};
-  __m256 p = _mm256_set1_ps(float(1.0 / 39916800.0));
-  for (float ci : c) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(ci));
+  const __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(float(EXP_LN2_LO)), _mm256_fmadd_ps(n, _mm256_set1_ps(float(EXP_LN2_HI)), x));
+  __m256 p = _mm256_set1_ps(float(EXP_TAYLOR[0]));
+  for (size_t i = 1; i < std::size(EXP_TAYLOR); ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(float(EXP_TAYLOR[i])));
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
