@@ -42,9 +42,15 @@ def main() -> int:
     ap.add_argument("--per-file", type=int, default=3, help="held-out prompts per expanded prompt file")
     ap.add_argument("--per-benchmark", type=int, default=20, help="MT-Bench and AlpacaEval prompts each")
     ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--methods", default=",".join(METHODS),
+                    help=f"comma-separated, of: {', '.join(METHODS)} (dflash reads only the backbone's base logits, so "
+                         "drafters sharing a backbone need it once)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", required=True, help="output folder")
     args = ap.parse_args()
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if unknown := [m for m in methods if m not in METHODS]:
+        ap.error(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict] = {}
@@ -54,7 +60,7 @@ def main() -> int:
         if items is None:
             items = heldout_replay_items(pipe, args.prompts, args.per_file, args.per_benchmark)
             print(f"{len(items)} held-out prompts", file=sys.stderr)
-        builders = {name: make_builder(method, settings) for name, (method, settings) in METHODS.items()}
+        builders = {name: make_builder(*METHODS[name]) for name in methods}
         results[drafter] = replay_tau_by_category(pipe, items, builders, args.max_new_tokens, out / "greedy.jsonl")
         print(drafter, json.dumps(results[drafter]), file=sys.stderr)
     counts: dict[str, int] = {}

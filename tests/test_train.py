@@ -1,6 +1,7 @@
 """Training pipeline on a tiny target: shards, packed block training, curriculum, resume, export."""
 
 import json
+import math
 import random
 
 import pytest
@@ -121,6 +122,8 @@ def test_training_reduces_loss_resumes_and_exports(tiny_data, tmp_path):
     mcfg = TrainConfig(data=str(data), out=str(tmp_path / "markov"), steps=10, anchors=6, block_size=5, markov_rank=8,
                        heldout_seqs=4, eval_new_tokens=8, eval_every=10, save_every=10, tapped=[1, 2], init_drafter=str(tmp_path / "run" / "checkpoint"))
     Trainer(target, mcfg, "markov").run()
+    # the Markov head is measured as the decoder uses it too: replay tau of its trees on held-out prompts
+    assert (tmp_path / "markov" / "metrics.jsonl").read_text().count("replay_tau_dartree_b16") >= 2
 
     # an exported drafter (the committed asset) resumes in a fresh folder at its recorded step
     export(tmp_path / "run" / "checkpoint", tmp_path / "shipped")
@@ -405,6 +408,12 @@ def test_category_balance_held_out_categories_and_the_non_commercial_source(tiny
     assert set(metrics["heldout_loss_by_category"]) == {"coding", "math"}
     assert set(metrics["replay_tau_dartree_b16_by_category"]) == {"coding", "math"}
     assert metrics["replay_tau_dartree_b16"] >= 1.0
+    cfg.balance = "sqrt"  # a category's share of the steps follows the square root of its size
+    weighted = Trainer(target, cfg, "drafter")
+    counts = weighted.category_counts()
+    want = math.sqrt(counts["coding"]) / (math.sqrt(counts["coding"]) + math.sqrt(counts["math"]))
+    drawn = [weighted.train_seqs[weighted.draw_sequence()].source.rpartition("/")[2] for _ in range(4000)]
+    assert abs(drawn.count("coding") / len(drawn) - want) < 0.04 and want < 0.4
     cfg.balance = "none"
     plain = Trainer(target, cfg, "drafter")
     drawn = [plain.train_seqs[plain.draw_sequence()].source.rpartition("/")[2] for _ in range(2000)]

@@ -101,7 +101,8 @@ def add_drafter_args(steps) -> None:
                        help="training prompts folder; its human-written text ranks the draft-vocabulary tokens the responses leave "
                             "undecided, and its original files label the shards written before sources were kept")
         p.add_argument("--balance", choices=BALANCE, default=TrainConfig.balance,
-                       help="category: each step draws a category uniformly, then one of its sequences; none: any sequence "
+                       help="category: each step draws a category uniformly, then one of its sequences; sqrt: a category "
+                            "with probability proportional to the square root of its size; none: any sequence "
                             f"(sequences from {', '.join(NON_COMMERCIAL_SOURCES)}, licensed non-commercially, are never trained on)")
         p.add_argument("--heldout-per-category", type=int, default=TrainConfig.heldout_per_category,
                        help="the first sequences of each category held out and evaluated per category")

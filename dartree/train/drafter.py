@@ -68,7 +68,10 @@ class TrainConfig:
     eval_new_tokens: int = 64  # the target's greedy answer replayed per held-out prompt
     heldout_seqs: int = 12
     heldout_per_category: int = 4  # the first sequences of each category never trained on, evaluated per category
-    balance: str = "category"  # "category": each step draws a category uniformly, then a sequence of it; "none": a sequence
+    # "category": each step draws a category uniformly, then a sequence of it; "sqrt": a category with
+    # probability proportional to the square root of its sequences (a category of 3 sequences no longer
+    # takes 1/12 of the steps); "none": any sequence
+    balance: str = "category"
     exclude_sources: tuple[str, ...] = NON_COMMERCIAL_SOURCES  # prompt files whose sequences are never trained on
     eval_every: int = 100
     save_every: int = 100
@@ -473,9 +476,14 @@ class Trainer:
 
     def draw_sequence(self) -> int:
         """The index of the next training sequence: a category drawn uniformly, then one of its
-        sequences (``balance="category"``), or any sequence (``"none"``)."""
+        sequences (``balance="category"``), a category weighted by the square root of its size
+        (``"sqrt"``), or any sequence (``"none"``)."""
         if self.cfg.balance == "category":
             return self.rng.choice(self._by_category[self.rng.choice(sorted(self._by_category))])
+        if self.cfg.balance == "sqrt":
+            names = sorted(self._by_category)
+            weights = [math.sqrt(len(self._by_category[c])) for c in names]
+            return self.rng.choice(self._by_category[self.rng.choices(names, weights)[0]])
         return self.rng.randrange(len(self.train_seqs))
 
     def lr_at(self, step):
@@ -547,7 +555,7 @@ class Trainer:
         by_category = {c: self._evaluate(seqs, key_base=-1_000 * (k + 2)) for k, (c, seqs) in enumerate(self.heldout_by_category.items())}
         if by_category:
             out["heldout_loss_by_category"] = {c: round(r["heldout_loss"], 4) for c, r in by_category.items()}
-        if self.model.head is not None and self.stage == "drafter":
+        if self.model.head is not None:  # a Domino head (drafter stage) or a Markov head on the frozen backbone
             out.update(self.replay_tau())
         return out
 
@@ -650,7 +658,7 @@ class Trainer:
 
 
 TRAINING_RECORD = "training.json"
-BALANCE = ("category", "none")
+BALANCE = ("category", "sqrt", "none")
 
 
 def export(checkpoint: str | Path, dest: str | Path, dtype=torch.bfloat16, shared_backbone: str | None = None) -> None:
