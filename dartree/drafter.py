@@ -228,6 +228,35 @@ class DrafterCache:
                 self.keys[i], self.values[i] = k[..., :length, :], v[..., :length, :]
 
 
+@dataclass
+class PackedBlocks:
+    """Visibility of many blocks packed into one query sequence (training): block j sees the context
+    positions ``ctx_visible[j * block_size + i]`` marks and its own ``block_size`` keys, never another
+    block's. Passed as ``attn_mask`` in place of the dense [Q, C + Q] mask, whose Q x Q block part is
+    all but its diagonal masked: scores are computed only where something can be seen, so the work
+    grows with Q * (C + block_size) instead of Q * (C + Q)."""
+
+    ctx_visible: torch.Tensor  # [Q, C] bool (True = visible)
+    block_size: int
+
+
+def packed_block_attention(q, k, v, blocks: PackedBlocks) -> torch.Tensor:
+    """Attention of [B, H, Q, hd] queries over [B, H, C + Q, hd] keys/values (context, then the packed
+    blocks) under ``blocks``; one softmax over both parts, so it is the dense masked attention."""
+    b, h, n_q, d = q.shape
+    n_ctx, blk = k.shape[2] - n_q, blocks.block_size
+    n_blocks = n_q // blk
+    scale = d ** -0.5
+    s_ctx = (q @ k[:, :, :n_ctx].transpose(-1, -2)).mul_(scale).masked_fill_(~blocks.ctx_visible, float("-inf"))
+    q_b = q.reshape(b, h, n_blocks, blk, d)
+    k_b = k[:, :, n_ctx:].reshape(b, h, n_blocks, blk, d)
+    v_b = v[:, :, n_ctx:].reshape(b, h, n_blocks, blk, d)
+    s_own = (q_b @ k_b.transpose(-1, -2)).mul_(scale).reshape(b, h, n_q, blk)
+    p = torch.cat([s_ctx, s_own], dim=-1).softmax(-1)
+    p_ctx, p_own = p[..., :n_ctx], p[..., n_ctx:].reshape(b, h, n_blocks, blk, blk)
+    return p_ctx @ v[:, :, :n_ctx] + (p_own @ v_b).reshape(b, h, n_q, d)
+
+
 class DrafterAttention(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -256,7 +285,10 @@ class DrafterAttention(nn.Module):
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=False)
+        if isinstance(mask, PackedBlocks):
+            out = packed_block_attention(q, k, v, mask)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=False)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
 
 
@@ -337,7 +369,7 @@ class DrafterModel(nn.Module):
         ctx_positions: torch.Tensor,  # [C] or [B, C]
         block_positions: torch.Tensor,  # [Q] or [B, Q]
         cache: DrafterCache | None = None,
-        attn_mask: torch.Tensor | None = None,  # [B or 1, 1, Q, cache + C + Q], bool (True = visible)
+        attn_mask: "torch.Tensor | PackedBlocks | None" = None,  # [B or 1, 1, Q, cache + C + Q], bool (True = visible)
     ) -> torch.Tensor:
         cfg = self.config
         ctx = self.fuse_context(target_features)

@@ -27,8 +27,9 @@ DATA=${DATA:-data/smollm2-selfdistill}
     --lr 3e-3 --draft-vocab 8192 --anchors 64 --seqs-per-step 1 --eval-every 400 \
     --resume-from dartree/assets/smollm2-drafter-domino \
     --max-minutes "${DRAFTER_MINUTES:-95}" --export dartree/assets/smollm2-drafter-domino
-# 3. Markov head on the frozen backbone; the export writes only the head and reads the backbone
-# from the Domino drafter's file (config.json names it: backbone_weights).
-.venv/bin/dartree train markov --data "$DATA,data/smollm2-expanded" --out runs/markov-v3 --init-drafter runs/drafter-v3/checkpoint \
-    --steps "${MARKOV_STEPS:-450}" --lr 3e-3 --anchors 64 --seqs-per-step 1 --eval-every 150 --max-minutes "${MARKOV_MINUTES:-8}" \
+# 3. Markov head on the frozen backbone (step 2 exported it, so the shipped Domino drafter is the
+# backbone trained on); the export writes only the head and reads the backbone from the Domino
+# drafter's file (config.json names it: backbone_weights). 1,800 steps take about 61 min on one thread.
+.venv/bin/dartree train markov --data "$DATA,data/smollm2-expanded" --out runs/markov-v4 --init-drafter dartree/assets/smollm2-drafter-domino \
+    --steps "${MARKOV_STEPS:-1800}" --lr 3e-3 --anchors 64 --seqs-per-step 1 --eval-every 600 --max-minutes "${MARKOV_MINUTES:-70}" \
     --export dartree/assets/smollm2-drafter-markov --export-backbone ../smollm2-drafter-domino/model.safetensors

@@ -41,6 +41,8 @@ def main() -> int:
     ap.add_argument("--shapes", default="1x8192,2x16384", help="drafter LAYERSxDRAFT_VOCAB, comma-separated")
     ap.add_argument("--steps", type=int, default=6, help="timed steps per setting (one untimed step first)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--attention", default="packed", help="the drafter's training attention, comma-separated of: packed "
+                    "(scores only where a block sees), dense (one [Q, C + Q] mask); several are timed on the same sequences and anchors")
     ap.add_argument("--compute-dtype", default="auto", choices=("auto", "float32", "bfloat16"))
     ap.add_argument("--out", help="write the figures here as JSON")
     args = ap.parse_args()
@@ -50,6 +52,9 @@ def main() -> int:
     autocast = inexact_work_dtype(args.compute_dtype, device) == torch.bfloat16
     target = load_target(default_target_dir(), dtype, device)
     anchors = [int(a) for a in args.anchors.split(",")]
+    attentions = args.attention.split(",")
+    if not attentions or any(m not in ("packed", "dense") for m in attentions):
+        ap.error(f"--attention takes packed and/or dense, got {args.attention!r}")
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -64,28 +69,34 @@ def main() -> int:
             seqs = iter(range(len(trainer.train_seqs)))
             for n in anchors:
                 cfg.anchors = n
-                teacher_s, drafter_s, slots = [], [], []
+                teacher_s, slots = [], []
+                drafter_s: dict[str, list[float]] = {mode: [] for mode in attentions}
                 for k in range(args.steps + 1):
                     seq = trainer.train_seqs[next(seqs)]
                     t0 = time.perf_counter()
                     prepared = trainer.features(seq)  # no key: never cached, as for a sequence seen once
-                    t1 = time.perf_counter()
-                    trainer.opt.zero_grad(set_to_none=True)
-                    l_final, l_base, *_, valid = trainer.sequence_losses(seq, trainer.rng, grad=True, prepared=prepared)
-                    (0.7 * l_final + 0.3 * l_base).backward()
-                    torch.nn.utils.clip_grad_norm_(trainer.model.parameters(), 1.0)
-                    trainer.opt.step()
-                    t2 = time.perf_counter()
-                    if k:  # the first step of a setting warms up allocations
-                        teacher_s.append(t1 - t0)
-                        drafter_s.append(t2 - t1)
-                        slots.append(int(valid.sum()))
-                teacher, drafter = statistics.median(teacher_s), statistics.median(drafter_s)
-                row = {"layers": layers, "draft_vocab": vocab, "anchors": n, "teacher_s": round(teacher, 3), "drafter_s": round(drafter, 3),
-                       "step_s": round(teacher + drafter, 3), "slots_per_step": round(statistics.mean(slots), 1),
-                       "slots_per_s": round(statistics.mean(slots) / (teacher + drafter), 1)}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                    teacher_s.append(time.perf_counter() - t0)
+                    state = trainer.rng.getstate()
+                    for mode in attentions:  # the same anchors for each
+                        trainer.rng.setstate(state)
+                        trainer.dense_mask = mode == "dense"
+                        t1 = time.perf_counter()
+                        trainer.opt.zero_grad(set_to_none=True)
+                        l_final, l_base, *_, valid = trainer.sequence_losses(seq, trainer.rng, grad=True, prepared=prepared)
+                        (0.7 * l_final + 0.3 * l_base).backward()
+                        torch.nn.utils.clip_grad_norm_(trainer.model.parameters(), 1.0)
+                        trainer.opt.step()
+                        drafter_s[mode].append(time.perf_counter() - t1)
+                    slots.append(int(valid.sum()))
+                teacher = statistics.median(teacher_s[1:])  # the first step of a setting warms up allocations
+                for mode in attentions:
+                    drafter = statistics.median(drafter_s[mode][1:])
+                    row = {"layers": layers, "draft_vocab": vocab, "anchors": n, "attention": mode, "teacher_s": round(teacher, 3),
+                           "drafter_s": round(drafter, 3), "step_s": round(teacher + drafter, 3),
+                           "slots_per_step": round(statistics.mean(slots[1:]), 1),
+                           "slots_per_s": round(statistics.mean(slots[1:]) / (teacher + drafter), 1)}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
     record = {"machine": describe_machine(), "threads": args.threads, "target_dtype": str(dtype).removeprefix("torch."),
               "autocast_bf16": autocast, "steps_per_setting": args.steps, "rows": rows}
     if args.out:

@@ -521,3 +521,50 @@ def test_reranking_a_resumed_drafters_vocabulary_keeps_trained_rows_and_adds_the
     full = Trainer(target, TrainConfig(out=str(tmp_path / "full"), steps=1, draft_vocab=0, **base), "drafter").model
     with pytest.raises(dartree.errors.DartreeError, match="full output layer"):
         dartree.train.drafter.rerank_vocabulary(full, new_ids, small.out_weight)
+
+
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_packed_block_attention_is_the_dense_masked_attention(tiny_data, tmp_path, num_layers):
+    """The training forward's packed attention (scores only where a block can see) gives the dense
+    [Q, C + Q] mask's hidden states and gradients, on many random sequences and anchor sets, and no
+    block sees another."""
+    from tiny import make_tiny_drafter
+
+    from dartree.loading import load_drafter
+    from dartree.train.drafter import drafter_outputs
+
+    target_dir, target, _ = tiny_data
+    block = 5
+    model = load_drafter(make_tiny_drafter(tmp_path / "d", target_dir, head="gru", block_size=block, num_layers=num_layers,
+                                           use_mask_embedding=True), dtype=torch.float64)
+    embed = torch.nn.Embedding(16, target.config.hidden_size, dtype=torch.float64)
+    torch.nn.init.normal_(embed.weight)
+    gen, rng = torch.Generator().manual_seed(1), random.Random(1)
+    width = model.fc.in_features
+    for trial in range(12):
+        n_ctx = rng.randint(8, 40)
+        tokens = torch.randint(0, 16, (n_ctx + 2,), generator=gen)
+        a = torch.tensor(sorted(rng.sample(range(1, n_ctx + 1), rng.randint(1, min(12, n_ctx)))))
+        runs = []
+        for dense in (True, False):
+            feats = torch.randn(n_ctx, width, generator=torch.Generator().manual_seed(trial), dtype=torch.float64, requires_grad=True)
+            model.zero_grad()
+            hidden = drafter_outputs(model, embed, tokens, feats, a, block, dense_mask=dense)
+            (hidden * torch.linspace(-1, 1, hidden.numel(), dtype=torch.float64).view_as(hidden)).sum().backward()
+            runs.append((hidden.detach(), feats.grad, [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+        (h_dense, g_dense, p_dense), (h_packed, g_packed, p_packed) = runs
+        assert h_packed.shape == (a.numel(), block, model.config.hidden_size)
+        torch.testing.assert_close(h_packed, h_dense, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(g_packed, g_dense, rtol=1e-10, atol=1e-10)
+        assert len(p_packed) == len(p_dense) > 0
+        for gp, gd in zip(p_packed, p_dense):
+            torch.testing.assert_close(gp, gd, rtol=1e-10, atol=1e-10)
+    # Blocks are independent: changing the last anchor's token moves only the last block.
+    with torch.no_grad():
+        feats = torch.randn(30, width, dtype=torch.float64, generator=gen)
+        a = torch.tensor([3, 9, 20, 28])
+        tokens = torch.randint(0, 16, (32,), generator=gen)
+        before = drafter_outputs(model, embed, tokens, feats, a, block)
+        tokens[28] = (tokens[28] + 1) % 16
+        after = drafter_outputs(model, embed, tokens, feats, a, block)
+    assert torch.equal(before[:3], after[:3]) and not torch.allclose(before[3], after[3])

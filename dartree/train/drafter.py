@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..drafter import DrafterConfig, DrafterLayer, DrafterModel
+from ..drafter import DrafterConfig, DrafterLayer, DrafterModel, PackedBlocks
 from ..errors import DartreeError
 from ..loading import load_drafter, save_drafter
 from ..bench.records import GreedyAnswers
@@ -251,19 +251,23 @@ def block_batch(seq: Sequence, anchors: int, block: int, rng: random.Random):
     return a, valid, labels, prev
 
 
-def drafter_outputs(model: DrafterModel, embed, tokens: torch.Tensor, feats: torch.Tensor, a: torch.Tensor, block: int):
+def drafter_outputs(model: DrafterModel, embed, tokens: torch.Tensor, feats: torch.Tensor, a: torch.Tensor, block: int,
+                    dense_mask: bool = False):
     """Packed forward: hidden states [A, b, H] for all anchors of one sequence; feats [C, m*H] are the
-    tapped target states of positions 0..C-1."""
+    tapped target states of positions 0..C-1. Block j sees context < a_j and its own block; that is
+    given as ``PackedBlocks`` (scores only where visible), or with ``dense_mask`` as one [Q, C + Q]
+    mask for SDPA (the same attention, kept to test the packed one against)."""
     n_ctx, dev = feats.shape[0], a.device
     emb = model.block_embeddings(embed, tokens[a])
     q = a.numel() * block
     block_pos = (a[:, None] + torch.arange(block, device=dev)[None, :]).reshape(-1)
     ctx_pos = torch.arange(n_ctx, device=dev)
-    # visibility: block j sees context < a_j and its own block
     see_ctx = ctx_pos[None, :] < a.repeat_interleave(block)[:, None]
-    blk_id = torch.arange(a.numel(), device=dev).repeat_interleave(block)
-    see_blk = blk_id[:, None] == blk_id[None, :]
-    mask = torch.cat([see_ctx, see_blk], dim=1)[None, None]
+    if dense_mask:
+        blk_id = torch.arange(a.numel(), device=dev).repeat_interleave(block)
+        mask = torch.cat([see_ctx, blk_id[:, None] == blk_id[None, :]], dim=1)[None, None]
+    else:
+        mask = PackedBlocks(see_ctx, block)
     hidden = model(emb.reshape(1, q, -1), feats[None], ctx_pos, block_pos, attn_mask=mask)[0]
     return hidden.reshape(a.numel(), block, -1)
 
@@ -349,6 +353,7 @@ class Trainer:
         self.prompts_dir = prompts_dir
         self._eval_pipe: Pipeline | None = None  # the decoder's pieces for held-out replay (``replay_tau``)
         self.cfg, self.stage = cfg, stage  # stage: "drafter" (backbone + Domino) or "markov"
+        self.dense_mask = False  # True: the packed forward's attention as one dense mask (to time the two)
         self.device = torch.device(cfg.device)
         self.target = target.to(self.device)
         self.out = Path(cfg.out)
@@ -529,7 +534,7 @@ class Trainer:
         a, valid, labels, prev = block_batch(Sequence(tokens, seq.prompt_len), cfg.anchors, cfg.block_size, rng)
         ctx = torch.enable_grad() if grad and self.stage != "markov" else torch.no_grad()
         with ctx, self._compute():
-            hidden = drafter_outputs(self.model, self.embed, tokens, feats, a, cfg.block_size)
+            hidden = drafter_outputs(self.model, self.embed, tokens, feats, a, cfg.block_size, self.dense_mask)
             base = self.model.lm_head(hidden) if self.model.lm_head is not None else hidden @ self.out_weight.T
         with torch.enable_grad() if grad else torch.no_grad(), self._compute():
             final = self.model.head.block_logits(hidden, base, prev)
