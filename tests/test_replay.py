@@ -119,3 +119,28 @@ def test_replay_policies_need_a_cost_model_and_ranked_trees(pipelines):
         replay(pipe, ids, {"a": make_builder("dartree", TreeSettings(budget="auto"))}, 8, set(), policies={"a": policy})
     with pytest.raises(DartreeError, match="ranked"):
         replay(pipe, ids, {"a": make_builder("dflash")}, 8, set(), cost=policy.cost, policies={"a": policy})
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_batched_greedy_answers_are_the_ones_generated_one_at_a_time(model_dirs, tmp_path, dtype):
+    """The held-out evaluation's greedy answers, generated together on the batched engine
+    (``GreedyAnswers.prefetch``), are the lists ``enough_greedy`` makes one prompt at a time, on many
+    prompts of different lengths, with and without stop tokens hit early, and the file keeps them."""
+    import dartree
+    from dartree.bench.records import GreedyAnswers
+    from dartree.bench.replay import enough_greedy
+    from dartree.lean import LeanTarget
+
+    pipe = dartree.load(model_dirs[("llama", "target")], model_dirs[("llama", "domino")], dtype=dtype)
+    assert isinstance(pipe.target, LeanTarget)  # batched rows, so the engine really runs several at once
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, VOCAB, (int(n),), generator=gen) for n in torch.randint(1, 12, (14,), generator=gen)]
+    for stop, new in (({2}, 9), (set(), 13)):
+        store = GreedyAnswers(tmp_path / f"greedy-{new}.jsonl", ("i",))
+        store.prefetch(pipe, [(p, {"i": i}) for i, p in enumerate(prompts)], new, stop, slots=5)
+        single = [enough_greedy(pipe, p, new, stop) for p in prompts]
+        assert [store.known[(i,)] for i in range(len(prompts))] == single
+        reread = GreedyAnswers(tmp_path / f"greedy-{new}.jsonl", ("i",))
+        assert [reread.known[(i,)] for i in range(len(prompts))] == single
+        if stop:  # some answers stop early, so the cut after the stop token is exercised
+            assert any(len(s) < new + pipe.proposer.num_depths + 1 for s in single)

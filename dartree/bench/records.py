@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from .replay import enough_greedy
+from .replay import enough_greedy, enough_greedy_many
 
 try:  # POSIX: lets shards of one run (``dartree bench --shard``) append to the same records file
     import fcntl
@@ -54,14 +54,31 @@ class GreedyAnswers:
         self.path, self.key_fields = path, key_fields
         self.known = {tuple(g[f] for f in key_fields): g["tokens"] for g in (read_records(path) if path else [])}
 
+    def prefetch(self, pipe, prompts: list[tuple[torch.Tensor, dict]], new_tokens: int, stop_ids: set[int], slots: int = 16) -> None:
+        """Generate every answer ``prompts`` (prompt ids, key) lacks in one batched run
+        (``replay.enough_greedy_many``): what ``tokens`` would generate one prompt at a time."""
+        todo, seen = [], set()
+        for ids, key in prompts:
+            k = tuple(key[f] for f in self.key_fields)
+            if k not in self.known and k not in seen:
+                seen.add(k)
+                todo.append((ids, key))
+        if not todo:
+            return
+        for (ids, key), answer in zip(todo, enough_greedy_many(pipe, [ids for ids, _ in todo], new_tokens, stop_ids, slots)):
+            self._keep(key, answer)
+
+    def _keep(self, key: dict, answer: list[int]) -> None:
+        self.known[tuple(key[f] for f in self.key_fields)] = answer
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a") as sink:
+                append_line(sink, {**{f: key[f] for f in self.key_fields}, "tokens": answer})
+
     def tokens(self, pipe, prompt_ids: torch.Tensor, new_tokens: int, stop_ids: set[int], **key) -> list[int]:
         """The answer of ``new_tokens`` (and the tokens a replay looks past it) for ``key`` (every field
         of ``key_fields``), generated and appended where new."""
         k = tuple(key[f] for f in self.key_fields)
         if k not in self.known:
-            self.known[k] = enough_greedy(pipe, prompt_ids, new_tokens, stop_ids)
-            if self.path is not None:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                with open(self.path, "a") as sink:
-                    append_line(sink, {**{f: key[f] for f in self.key_fields}, "tokens": self.known[k]})
+            self._keep(key, enough_greedy(pipe, prompt_ids, new_tokens, stop_ids))
         return self.known[k]

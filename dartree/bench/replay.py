@@ -30,7 +30,7 @@ import torch
 
 from ..budget import BudgetPolicy
 from ..costmodel import CostModel
-from ..engine import Request, run_alone, truncate
+from ..engine import Engine, Request, run_alone, truncate
 from ..errors import require
 from ..trees import TreeBuilder, make_builder
 from ..verify import Sampler
@@ -92,6 +92,33 @@ class KnownTarget:
 def greedy_continuation(pipe, prompt_ids: torch.Tensor, length: int, stop_ids: set[int] = frozenset()) -> list[int]:
     """The target's greedy tokens after the prompt: ``length`` of them, or up to a stop token."""
     return run_alone(pipe.target, Request(prompt_ids, make_builder("ar"), Sampler(0.0), length, set(stop_ids))).output
+
+
+def greedy_continuations(pipe, prompts: list[torch.Tensor], length: int, slots: int = 16) -> list[list[int]]:
+    """``greedy_continuation`` (no stop tokens) of many prompts in one run of the batched engine, up to
+    ``slots`` of them a round (a target without batched rows takes them one at a time): the same
+    tokens, since no row of a round depends on another (``tests/test_engine.py``)."""
+    engine = Engine(pipe.target, None, max_batch=slots)
+    requests = [Request(p.reshape(-1), make_builder("ar"), Sampler(0.0), length, set()) for p in prompts]
+    for r in requests:
+        engine.submit(r)
+    engine.run()
+    for r in requests:
+        if r.error is not None:
+            raise r.error
+    return [r.output for r in requests]
+
+
+def enough_greedy_many(pipe, prompts: list[torch.Tensor], max_new_tokens: int, stop_ids: set[int], slots: int = 16) -> list[list[int]]:
+    """``enough_greedy`` of many prompts, generated together on the batched engine: each prompt's
+    greedy tokens to ``max_new_tokens`` + D + 1, cut to what ``enough_greedy`` keeps (its output and
+    the D + 1 tokens past it), the same lists."""
+    depths = pipe.proposer.num_depths
+    out = []
+    for p, greedy in zip(prompts, greedy_continuations(pipe, prompts, max_new_tokens + depths + 1, slots)):
+        keep = len(truncate(greedy, max_new_tokens, stop_ids)) + depths + 1
+        out.append(enough_greedy(pipe, p.reshape(-1), max_new_tokens, stop_ids, greedy=greedy[:keep]))
+    return out
 
 
 def enough_greedy(pipe, prompt_ids: torch.Tensor, max_new_tokens: int, stop_ids: set[int], greedy: list[int] | None = None) -> list[int]:

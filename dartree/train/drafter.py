@@ -329,12 +329,14 @@ def replay_tau_by_category(pipe: Pipeline, items: list[tuple[str, torch.Tensor]]
     stop = pipe.default_stop_ids()
     dtype = str(pipe.target_model.dtype).removeprefix("torch.")
     greedy = GreedyAnswers(greedy_path, ("prompt_sha1", "max_new_tokens", "dtype"))
+    prompts = [ids.reshape(-1).to(pipe.device) for _, ids in items]
+    keys = [{"prompt_sha1": hashlib.sha1(str(ids.tolist()).encode()).hexdigest(), "max_new_tokens": max_new_tokens, "dtype": dtype}
+            for ids in prompts]
+    greedy.prefetch(pipe, list(zip(prompts, keys)), max_new_tokens, stop)  # the missing answers in one batched run
     tokens = {name: {} for name in builders}
     rounds = {name: {} for name in builders}
-    for category, ids in items:
-        ids = ids.reshape(-1).to(pipe.device)
-        answer = greedy.tokens(pipe, ids, max_new_tokens, stop, prompt_sha1=hashlib.sha1(str(ids.tolist()).encode()).hexdigest(),
-                               max_new_tokens=max_new_tokens, dtype=dtype)
+    for (category, _), ids, key in zip(items, prompts, keys):
+        answer = greedy.tokens(pipe, ids, max_new_tokens, stop, **key)
         output, lengths = replay(pipe, ids, builders, max_new_tokens, stop, answer)
         for name, acc in lengths.items():
             for group in {category, "all"}:
