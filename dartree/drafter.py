@@ -369,7 +369,7 @@ class DrafterModel(nn.Module):
         ctx_positions: torch.Tensor,  # [C] or [B, C]
         block_positions: torch.Tensor,  # [Q] or [B, Q]
         cache: DrafterCache | None = None,
-        attn_mask: "torch.Tensor | PackedBlocks | None" = None,  # [B or 1, 1, Q, cache + C + Q], bool (True = visible)
+        attn_mask: torch.Tensor | PackedBlocks | None = None,  # [B or 1, 1, Q, cache + C + Q], bool (True = visible), or packed blocks
     ) -> torch.Tensor:
         cfg = self.config
         ctx = self.fuse_context(target_features)

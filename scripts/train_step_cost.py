@@ -53,7 +53,7 @@ def main() -> int:
     target = load_target(default_target_dir(), dtype, device)
     anchors = [int(a) for a in args.anchors.split(",")]
     attentions = args.attention.split(",")
-    if not attentions or any(m not in ("packed", "dense") for m in attentions):
+    if any(m not in ("packed", "dense") for m in attentions):
         ap.error(f"--attention takes packed and/or dense, got {args.attention!r}")
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     rows = []

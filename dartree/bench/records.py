@@ -59,7 +59,7 @@ class GreedyAnswers:
         (``replay.enough_greedy_many``): what ``tokens`` would generate one prompt at a time."""
         todo, seen = [], set()
         for ids, key in prompts:
-            k = tuple(key[f] for f in self.key_fields)
+            k = self._key(key)
             if k not in self.known and k not in seen:
                 seen.add(k)
                 todo.append((ids, key))
@@ -68,8 +68,11 @@ class GreedyAnswers:
         for (ids, key), answer in zip(todo, enough_greedy_many(pipe, [ids for ids, _ in todo], new_tokens, stop_ids, slots)):
             self._keep(key, answer)
 
+    def _key(self, key: dict) -> tuple:
+        return tuple(key[f] for f in self.key_fields)
+
     def _keep(self, key: dict, answer: list[int]) -> None:
-        self.known[tuple(key[f] for f in self.key_fields)] = answer
+        self.known[self._key(key)] = answer
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.path, "a") as sink:
@@ -78,7 +81,7 @@ class GreedyAnswers:
     def tokens(self, pipe, prompt_ids: torch.Tensor, new_tokens: int, stop_ids: set[int], **key) -> list[int]:
         """The answer of ``new_tokens`` (and the tokens a replay looks past it) for ``key`` (every field
         of ``key_fields``), generated and appended where new."""
-        k = tuple(key[f] for f in self.key_fields)
+        k = self._key(key)
         if k not in self.known:
             self._keep(key, enough_greedy(pipe, prompt_ids, new_tokens, stop_ids))
         return self.known[k]

@@ -91,15 +91,16 @@ class KnownTarget:
 @torch.no_grad()
 def greedy_continuation(pipe, prompt_ids: torch.Tensor, length: int, stop_ids: set[int] = frozenset()) -> list[int]:
     """The target's greedy tokens after the prompt: ``length`` of them, or up to a stop token."""
-    return run_alone(pipe.target, Request(prompt_ids, make_builder("ar"), Sampler(0.0), length, set(stop_ids))).output
+    return greedy_continuations(pipe, [prompt_ids], length, stop_ids, slots=1)[0]
 
 
-def greedy_continuations(pipe, prompts: list[torch.Tensor], length: int, slots: int = 16) -> list[list[int]]:
-    """``greedy_continuation`` (no stop tokens) of many prompts in one run of the batched engine, up to
-    ``slots`` of them a round (a target without batched rows takes them one at a time): the same
-    tokens, since no row of a round depends on another (``tests/test_engine.py``)."""
+def greedy_continuations(pipe, prompts: list[torch.Tensor], length: int, stop_ids: set[int] = frozenset(),
+                         slots: int = 16) -> list[list[int]]:
+    """``greedy_continuation`` of many prompts in one run of the batched engine, up to ``slots`` of
+    them a round (a target without batched rows takes them one at a time): the same tokens, since no
+    row of a round depends on another (``tests/test_engine.py``)."""
     engine = Engine(pipe.target, None, max_batch=slots)
-    requests = [Request(p.reshape(-1), make_builder("ar"), Sampler(0.0), length, set()) for p in prompts]
+    requests = [Request(p.reshape(-1), make_builder("ar"), Sampler(0.0), length, set(stop_ids)) for p in prompts]
     for r in requests:
         engine.submit(r)
     engine.run()
@@ -115,7 +116,7 @@ def enough_greedy_many(pipe, prompts: list[torch.Tensor], max_new_tokens: int, s
     the D + 1 tokens past it), the same lists."""
     depths = pipe.proposer.num_depths
     out = []
-    for p, greedy in zip(prompts, greedy_continuations(pipe, prompts, max_new_tokens + depths + 1, slots)):
+    for p, greedy in zip(prompts, greedy_continuations(pipe, prompts, max_new_tokens + depths + 1, slots=slots)):
         keep = len(truncate(greedy, max_new_tokens, stop_ids)) + depths + 1
         out.append(enough_greedy(pipe, p.reshape(-1), max_new_tokens, stop_ids, greedy=greedy[:keep]))
     return out
