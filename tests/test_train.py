@@ -408,6 +408,10 @@ def test_category_balance_held_out_categories_and_the_non_commercial_source(tiny
     assert set(metrics["heldout_loss_by_category"]) == {"coding", "math"}
     assert set(metrics["replay_tau_dartree_b16_by_category"]) == {"coding", "math"}
     assert metrics["replay_tau_dartree_b16"] >= 1.0
+    cfg.replay_eval = False  # --no-replay-eval: the held-out loss stays, the replay is skipped
+    quick = trainer.evaluate()
+    assert quick["heldout_loss"] == metrics["heldout_loss"] and not any(k.startswith("replay_tau") for k in quick)
+    cfg.replay_eval = True
     cfg.balance = "sqrt"  # a category's share of the steps follows the square root of its size
     weighted = Trainer(target, cfg, "drafter")
     counts = weighted.category_counts()

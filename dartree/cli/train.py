@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import torch
@@ -127,6 +128,9 @@ def add_drafter_args(steps) -> None:
         p.add_argument("--markov-rank", type=int, default=TrainConfig.markov_rank)
         p.add_argument("--lr", type=float, default=TrainConfig.lr)
         p.add_argument("--eval-every", type=int, default=TrainConfig.eval_every)
+        p.add_argument("--replay-eval", action=argparse.BooleanOptionalAction, default=TrainConfig.replay_eval,
+                       help="evaluations replay the decoder on held-out prompts for tau (default); --no-replay-eval "
+                            "keeps the held-out loss and simulated figures only (replay the exported drafter later)")
         p.add_argument("--max-minutes", type=float, default=None, help="stop cleanly after this long; rerun to resume")
         p.add_argument("--device", default="auto", help="auto (default: a GPU when there is one, else the CPU), cpu, cuda or cuda:N")
         p.add_argument("--export", help="after training, write a bf16 copy of the drafter here")
@@ -171,7 +175,7 @@ def _run_train(args) -> int:
     cfg = TrainConfig(data=args.data, out=args.out, steps=args.steps, seqs_per_step=args.seqs_per_step, anchors=args.anchors,
                       draft_vocab=args.draft_vocab, base_weight=args.base_weight, hard_weight=args.hard_weight, tapped=[int(x) for x in args.tapped.split(",")],
                       layers=args.layers, gru=args.gru, rank=args.rank, markov_rank=args.markov_rank, lr=args.lr,
-                      eval_every=args.eval_every, save_every=args.eval_every, max_minutes=args.max_minutes,
+                      eval_every=args.eval_every, replay_eval=args.replay_eval, save_every=args.eval_every, max_minutes=args.max_minutes,
                       device=str(device), autocast=inexact_work_dtype(args.compute_dtype, device) == torch.bfloat16,
                       feature_cache_gb=args.feature_cache_gb, rescan_every=args.rescan_every, balance=args.balance,
                       heldout_per_category=args.heldout_per_category)

@@ -74,6 +74,9 @@ class TrainConfig:
     balance: str = "category"
     exclude_sources: tuple[str, ...] = NON_COMMERCIAL_SOURCES  # prompt files whose sequences are never trained on
     eval_every: int = 100
+    # False: evaluations report the held-out loss and simulated figures only, not the replay tau (a run
+    # on a lent GPU, where device minutes are few, replays its exported drafter afterwards on the CPU)
+    replay_eval: bool = True
     save_every: int = 100
     max_minutes: float | None = None
     seed: int = 0
@@ -562,7 +565,7 @@ class Trainer:
         by_category = {c: self._evaluate(seqs, key_base=-1_000 * (k + 2)) for k, (c, seqs) in enumerate(self.heldout_by_category.items())}
         if by_category:
             out["heldout_loss_by_category"] = {c: round(r["heldout_loss"], 4) for c, r in by_category.items()}
-        if self.model.head is not None:  # a Domino head (drafter stage) or a Markov head on the frozen backbone
+        if self.model.head is not None and self.cfg.replay_eval:  # a Domino head or a Markov head on the frozen backbone
             out.update(self.replay_tau())
         return out
 
