@@ -57,15 +57,16 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def travelling_files() -> list[Path]:
+def travelling_files(as_hidden: bool = False) -> list[Path]:
     """What a call sends before its carried paths: tracked files present on disk and untracked files
-    git does not ignore."""
+    git does not ignore; ``as_hidden``: as it will be once ``hide`` has run (HIDDEN left out)."""
     names = git("ls-files", "-z", "--cached", "--others", "--exclude-standard").split("\0")
-    return [ROOT / n for n in names if n and (ROOT / n).is_file()]
+    skip = tuple(h + "/" for h in HIDDEN) if as_hidden else ()
+    return [ROOT / n for n in names if n and not (skip and n.startswith(skip)) and (ROOT / n).is_file()]
 
 
-def tree_bytes() -> int:
-    return sum(p.stat().st_size for p in travelling_files())
+def tree_bytes(as_hidden: bool = False) -> int:
+    return sum(p.stat().st_size for p in travelling_files(as_hidden))
 
 
 def folder_bytes(folder: Path) -> int:
@@ -120,8 +121,7 @@ def pack(args) -> int:
         "head": git("rev-parse", "HEAD").strip(),
     }
     (call2 / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    tree = tree_bytes() if is_hidden() else sum(p.stat().st_size for p in travelling_files()
-                                                 if not any(str(p.relative_to(ROOT)).startswith(h + "/") for h in HIDDEN))
+    tree = tree_bytes(as_hidden=True)
     for call in (call1, call2):
         total = folder_bytes(call) + tree
         print(f"{call.relative_to(ROOT)}: {folder_bytes(call) / 2**20:.1f} MiB + tree {tree / 2**20:.1f} MiB (hidden) "
@@ -226,11 +226,8 @@ def selftest(args) -> int:
     with tempfile.TemporaryDirectory(prefix="device-kit-selftest-") as scratch:
         scratch = Path(scratch)
         repo = scratch / "repo"
-        skip = tuple(h + "/" for h in HIDDEN)
-        for p in travelling_files():
+        for p in travelling_files(as_hidden=True):
             rel = str(p.relative_to(ROOT))
-            if rel.startswith(skip):
-                continue
             (repo / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(p, repo / rel)
         out, env = scratch / "out", dict(os.environ)
