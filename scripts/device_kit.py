@@ -233,8 +233,9 @@ def selftest(args) -> int:
         out, env = scratch / "out", dict(os.environ)
         env.update(KIT_STASH=str(scratch / "stash"), DEVICE="cpu", ANCHORS="16", LAYERS="1", VOCAB="4096",
                    OUT=str(out), PYTHON=str(ROOT / ".venv" / "bin" / "python"))
-        # --calibrate: the schedule sized by timing, as on the device (a few minutes here)
-        env.update(CALIBRATE="1", CAL_MINUTES="1", MINUTES="1") if args.calibrate else env.update(CALIBRATE="0", STEPS=str(args.steps))
+        # --calibrate: the schedule sized by timing steps, as on the device; one held-out sequence a
+        # category keeps the evaluations (each run folder's first, on the CPU) to about a minute
+        env.update(CALIBRATE="1", CAL_STEPS="8", MINUTES="2", EXTRA="--heldout-per-category 1") if args.calibrate else env.update(CALIBRATE="0", STEPS=str(args.steps))
         for call, verb in (("call1", "stash"), ("call2", "train")):
             shutil.rmtree(repo / ".device-kit", ignore_errors=True)
             shutil.copytree(KIT / call, repo / ".device-kit" / call)

@@ -6,8 +6,9 @@
 #           train a drafter from scratch for MINUTES, and return it in pieces under 16 MiB to $OUT
 # Settings (environment): MINUTES (training wall time, default 6), LAYERS (2), VOCAB (16384),
 # ANCHORS (256), SEQS (4 sequences a step), LR (1e-3), EVAL (eval every N steps, 500), DEVICE (cuda),
-# CACHE_GB (feature cache, 40), CALIBRATE (1: time CAL_MINUTES (1) of steps first and size the cosine
-# schedule to MINUTES; 0: STEPS as given), STEPS (with CALIBRATE=0), PYTHON (python3), KIT_STASH.
+# CACHE_GB (feature cache, 40), CALIBRATE (1: time CAL_STEPS (40) steps first and size the cosine
+# schedule to MINUTES; 0: STEPS as given), STEPS (with CALIBRATE=0), EXTRA (more `dartree train drafter`
+# flags, word-split), PYTHON (python3), KIT_STASH.
 set -euo pipefail
 verb=${1:?usage: device_train.sh stash|train}
 STASH=${KIT_STASH:-/tmp/dartree-kit}
@@ -26,7 +27,7 @@ fi
 
 MINUTES=${MINUTES:-6} LAYERS=${LAYERS:-2} VOCAB=${VOCAB:-16384} ANCHORS=${ANCHORS:-256} SEQS=${SEQS:-4}
 LR=${LR:-1e-3} EVAL=${EVAL:-500} DEVICE=${DEVICE:-cuda} CACHE_GB=${CACHE_GB:-40} CALIBRATE=${CALIBRATE:-1}
-CAL_MINUTES=${CAL_MINUTES:-1}
+CAL_STEPS=${CAL_STEPS:-40}
 CALL2=.device-kit/call2
 [ -f "$STASH/gguf.part1" ] || { echo "call 1's files are not on this machine (a fresh one?): run 'stash' first"; exit 3; }
 WORK=$STASH/work
@@ -63,19 +64,22 @@ log "target ok: $target"
 
 common=(--data data/smollm2-selfdistill,data/smollm2-expanded --prompts ../shared/prompts --device "$DEVICE"
         --layers "$LAYERS" --draft-vocab "$VOCAB" --anchors "$ANCHORS" --seqs-per-step "$SEQS" --lr "$LR"
-        --no-replay-eval --feature-cache-gb "$CACHE_GB" --rescan-every 0)
+        --no-replay-eval --feature-cache-gb "$CACHE_GB" --rescan-every 0 ${EXTRA:-})
 if [ "$CALIBRATE" = 1 ]; then
-    log "timing steps for $CAL_MINUTES minute(s)"
-    $PY -m dartree.cli train drafter "${common[@]}" --out "$WORK/calibrate" --steps 1000000 --eval-every 1000000 \
-        --max-minutes "$CAL_MINUTES" > "$WORK/calibrate.log" 2>&1 || { tail -30 "$WORK/calibrate.log" | tee -a "$OUT/device-log.txt"; exit 5; }
+    # A count of steps, not minutes: the run folder's first evaluation (step 0) comes before them
+    log "timing $CAL_STEPS steps"
+    $PY -m dartree.cli train drafter "${common[@]}" --out "$WORK/calibrate" --steps "$CAL_STEPS" --eval-every 1000000 \
+        > "$WORK/calibrate.log" 2>&1 || { tail -30 "$WORK/calibrate.log" | tee -a "$OUT/device-log.txt"; exit 5; }
     STEPS=$($PY - "$WORK/calibrate/metrics.jsonl" "$MINUTES" <<'EOF'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if '"loss"' in l]
-a, b = rows[min(5, len(rows) - 2)], rows[-1]  # past the first steps (allocations, compilation)
+if len(rows) < 3:
+    sys.exit(f"calibration ran {len(rows)} steps, too few to time: raise CAL_STEPS")
+a, b = rows[min(5, len(rows) // 2)], rows[-1]  # past the first steps (allocations, compilation)
 per_step = (b["elapsed_s"] - a["elapsed_s"]) / (b["step"] - a["step"])
 print(max(2, int(0.92 * 60 * float(sys.argv[2]) / per_step)))
 EOF
-)
+) || { log "calibration failed (above)"; tail -5 "$WORK/calibrate.log" | tee -a "$OUT/device-log.txt"; exit 5; }
     log "calibrated: $STEPS steps fit $MINUTES minutes"
 fi
 STEPS=${STEPS:?STEPS is needed with CALIBRATE=0}
