@@ -70,7 +70,8 @@ if [ "$CALIBRATE" = 1 ]; then
     log "timing $CAL_STEPS steps"
     $PY -m dartree.cli train drafter "${common[@]}" --out "$WORK/calibrate" --steps "$CAL_STEPS" --eval-every 1000000 \
         > "$WORK/calibrate.log" 2>&1 || { tail -30 "$WORK/calibrate.log" | tee -a "$OUT/device-log.txt"; exit 5; }
-    STEPS=$($PY - "$WORK/calibrate/metrics.jsonl" "$MINUTES" <<'EOF'
+    # the timing's own error (too few steps) goes to device-log.txt, which comes back; $(...) keeps only stdout
+    STEPS=$($PY - "$WORK/calibrate/metrics.jsonl" "$MINUTES" 2>>"$OUT/device-log.txt" <<'EOF'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if '"loss"' in l]
 if len(rows) < 3:
@@ -79,7 +80,7 @@ a, b = rows[min(5, len(rows) // 2)], rows[-1]  # past the first steps (allocatio
 per_step = (b["elapsed_s"] - a["elapsed_s"]) / (b["step"] - a["step"])
 print(max(2, int(0.92 * 60 * float(sys.argv[2]) / per_step)))
 EOF
-) || { log "calibration failed (above)"; tail -5 "$WORK/calibrate.log" | tee -a "$OUT/device-log.txt"; exit 5; }
+) || { log "calibration failed (the line above; the calibration log's tail below)"; tail -5 "$WORK/calibrate.log" | tee -a "$OUT/device-log.txt"; exit 5; }
     log "calibrated: $STEPS steps fit $MINUTES minutes"
 fi
 STEPS=${STEPS:?STEPS is needed with CALIBRATE=0}
