@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import random
 
 import pytest
@@ -311,6 +312,40 @@ def test_data_generation_starts_at_a_shard_and_skips_what_another_process_wrote(
     assert sorted(p.name for p in out.iterdir()) == [f"shard-{k:05d}.safetensors" for k in range(5)]
     with pytest.raises(dartree.errors.DartreeError, match="--start-shard must be between 0 and 4"):
         data_mod.generate_data(model, tok, "unused", out, batch_size=2, start_shard=5)
+
+
+def test_data_processes_skip_a_shard_another_live_process_has_claimed(tmp_path, monkeypatch):
+    """Once one data process catches up with another it must not write the other's shard under way:
+    a shard claimed by a live process (here this test's parent) is skipped, one claimed by a process
+    that has exited (a killed job) is taken over and written, and no claim is left behind."""
+    import socket
+    import subprocess
+    import dartree.train.data as data_mod
+
+    monkeypatch.setattr(data_mod, "original_prompts",
+                        lambda *_: [data_mod.TrainingPrompt(f"prompt {i}", "gsm8k_train", "math") for i in range(8)])
+    tok = type("Tok", (), {"eos_token_id": 0, "apply_chat_template": lambda self, msgs, **_: [1, 2, len(msgs[0]["content"])]})()
+    out = tmp_path / "data"
+    out.mkdir()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    host = socket.gethostname()
+    (out / "shard-00001.claim").write_text(f"{host} {os.getppid()}")  # alive: the process that started pytest
+    (out / "shard-00002.claim").write_text(f"{host} {gone.pid}")      # exited
+    (out / "shard-00003.claim").write_text(f"another-host-{host} {os.getpid()}")  # another machine's job
+    written = []
+    real_save = data_mod.save_shard
+    monkeypatch.setattr(data_mod, "generate_batch",
+                        lambda model, batch, *_: [data_mod.Sequence(torch.tensor(p + [5], dtype=torch.int32), len(p)) for p in batch])
+    monkeypatch.setattr(data_mod, "save_shard", lambda path, seqs, meta: written.append(meta["shard"]) or real_save(path, seqs, meta))
+    data_mod.generate_data(torch.nn.Linear(1, 1), tok, "unused", out, batch_size=2)
+    assert written == [0, 2]
+    assert sorted(p.name for p in out.iterdir()) == ["shard-00000.safetensors", "shard-00001.claim",
+                                                     "shard-00002.safetensors", "shard-00003.claim"]
+    assert data_mod.claim_shard(out, 1) is False and data_mod.claim_shard(out, 3) is False
+    assert data_mod.claim_shard(out, 0) is True  # a claim says nothing of whether the shard exists
+    data_mod.release_shard(out, 0)
+    assert not (out / "shard-00000.claim").exists()
 
 
 def test_training_picks_up_shards_written_while_it_runs(tiny_data, tmp_path):

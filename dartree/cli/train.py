@@ -56,7 +56,8 @@ def add_train_parser(sub) -> None:
     data.add_argument("--seed", type=int, default=0)
     data.add_argument("--start-shard", type=int, default=0,
                       help="write missing shards from this one on (wrapping around): a second process started further "
-                           "on shares the work, each skipping shards the other has written (with bf16 products, two "
+                           "on shares the work, each skipping shards the other has written or claimed (a .claim file beside the "
+                           "shard while it is written; a dead process's claim is taken over) (with bf16 products, two "
                            "one-thread processes measured 1.45x one two-thread process on a 2-core Xeon: docs/default-model.md)")
     data.add_argument("--device", default="auto", help="auto (default: a GPU when there is one, else the CPU), cpu, cuda or cuda:N")
     add_threads_arg(data)

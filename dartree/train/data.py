@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import socket
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -339,6 +340,54 @@ def shard_path(data_dir: str | Path, k: int) -> Path:
     return Path(data_dir) / f"shard-{k:05d}.safetensors"
 
 
+def claim_shard(data_dir: str | Path, k: int) -> bool:
+    """Claim shard ``k`` for this process, so a second data process skips it while it is being written.
+
+    The claim is a ``.claim`` file holding "host pid", linked into place in one step (so it never
+    exists half written); one left by a process that is gone from this host is taken over (a killed
+    job resumes), one held by a live process or by another host is respected (delete it by hand if
+    that host's job is dead). ``release_shard`` removes it once the shard is saved. Returns False when
+    another process holds the shard."""
+    path = shard_path(data_dir, k).with_suffix(".claim")
+    mine = path.with_suffix(f".{os.getpid()}.claiming")
+    mine.write_text(f"{socket.gethostname()} {os.getpid()}")
+    try:
+        for _ in range(2):
+            try:
+                os.link(mine, path)
+                return True
+            except FileExistsError:
+                if claim_is_live(path):
+                    return False
+                path.unlink(missing_ok=True)  # its process is gone: take it over
+        return False
+    finally:
+        mine.unlink(missing_ok=True)
+
+
+def claim_is_live(path: Path) -> bool:
+    try:
+        host, pid = path.read_text().split()
+        pid = int(pid)
+    except (OSError, ValueError):
+        return False  # gone meanwhile, or not a claim this code wrote
+    if host != socket.gethostname():
+        return True
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def release_shard(data_dir: str | Path, k: int) -> None:
+    shard_path(data_dir, k).with_suffix(".claim").unlink(missing_ok=True)
+
+
 def shard_files(data_dir: str | Path) -> list[Path]:
     """The complete shards in ``data_dir``, in shard order (a shard being written is not listed)."""
     files = sorted(Path(data_dir).glob("shard-*.safetensors"))
@@ -423,8 +472,9 @@ def generate_data(target, tokenizer, prompts_dir, out_dir, num_prompts: int | No
 
     ``target``: a ``Pipeline`` on the lean forward (answers from the batched engine, ``slots``
     requests per round, with the pipeline's ``lean_products``) or a Hugging Face model (one left-padded batch per shard, e.g. on a GPU).
-    Missing shards are written in order from ``start_shard`` (wrapping around), and a shard another
-    process wrote meanwhile is skipped, so two processes started at different shards share the work."""
+    Missing shards are written in order from ``start_shard`` (wrapping around); a shard another
+    process wrote meanwhile, or is writing now (``claim_shard``), is skipped, so processes started at
+    different shards share the work without writing any shard twice, even once one catches up with another."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     prompts = prompt_set(prompt_set_name, prompts_dir, seed)
@@ -448,7 +498,11 @@ def generate_data(target, tokenizer, prompts_dir, out_dir, num_prompts: int | No
             if max_minutes is not None and time.perf_counter() - t0 > 60 * max_minutes:
                 bar.write(f"stopping after {max_minutes} minutes (shards under way are finished first); run again to resume at shard {k}")
                 return
-            if shard_path(out_dir, k).exists():  # written by another process meanwhile
+            if shard_path(out_dir, k).exists() or not claim_shard(out_dir, k):  # written or under way elsewhere
+                bar.update()
+                continue
+            if shard_path(out_dir, k).exists():  # finished by the other process between the two checks
+                release_shard(out_dir, k)
                 bar.update()
                 continue
             temperature = 1.0 if random.Random(seed * 100_003 + k).random() < sample_fraction else 0.0
@@ -470,6 +524,7 @@ def generate_data(target, tokenizer, prompts_dir, out_dir, num_prompts: int | No
         save_shard(shard_path(out_dir, job.k), seqs,
                    {"temperature": job.temperature, "shard": job.k, "dtype": dtype, "max_new_tokens": max_new_tokens,
                     "generator": generator, "seconds": round(seconds, 1), "new_tokens": new})
+        release_shard(out_dir, job.k)
         bar.update()
         bar.set_postfix(T=job.temperature, mean_tok_s=f"{new_total / (time.perf_counter() - t0):.0f}")
     bar.close()
