@@ -33,12 +33,12 @@ from itertools import accumulate
 import torch
 
 from .costmodel import CostModel
-from .trees import DraftTree, TreeBuilder
+from .trees import DraftTree
 
 
 @dataclass
 class BudgetChoice:
-    nodes: int  # tree nodes to verify (0: the root alone, a plain step)
+    budget: int  # tree nodes to verify (0: the root alone, a plain step)
     expected_tokens: float  # committed tokens expected from the round
     expected_ms: float  # the verification's time (the round's draft and tree are already paid)
     worth: float = 1.0  # drafting's expected speed this round over plain steps' (< 1: drafting loses)
@@ -56,7 +56,7 @@ class BudgetPolicy:
     max_probe_every: int = 32  # the most plain steps between two probes
     build_headroom: int = 2  # build up to this many times the largest prefix chosen in recent rounds
     min_build: int = 16  # ... but never fewer nodes than this
-    recent_rounds: int = 8  # the rounds that count as recent for the build size
+    recent_rounds: int = 8  # the rounds that count as recent for the build budget
     predicted: list[float] = field(default_factory=list)  # per depth: decayed sum of p over verified nodes
     accepted: list[float] = field(default_factory=list)  # per depth: decayed count of accepted verified nodes
     value: float = 1.0  # running expected speed of a drafted round over a plain step's (< 1: back off)
@@ -138,26 +138,22 @@ class BudgetPolicy:
             return False
         return True
 
-    def build_size(self, largest: int) -> int:
-        """How many nodes to build this round (at most ``largest``, the settings' max_budget).
+    def round_budget(self, build_budget: int) -> int:
+        """How many nodes to build this round (at most ``build_budget``, the settings' ``build_budget``:
+        max_budget under budget "auto").
 
-        A ranked tree's top-b prefix is the same whatever size it was built at (parents rank before
+        A ranked tree's top-b prefix is the same whatever budget it was built at (parents rank before
         their children, and a builder stops expanding only where no deeper node can enter its
-        top-size list), so a smaller build changes only which b this round may choose, never the
+        top-budget list), so a smaller build changes only which b this round may choose, never the
         tree of a given b. Nodes ranked below any b the policy would pick are wasted work: the
         build is limited to ``build_headroom`` times the largest b chosen in the last
         ``recent_rounds`` drafted rounds (at least ``min_build``; plain steps in between do not
         count, so a probe after them builds what the last drafted rounds needed); a round that
-        chooses the limit doubles it for the next. Before any drafted round it is ``largest``."""
+        chooses the limit doubles it for the next. Before any drafted round it is ``build_budget``."""
         recent = [b for b in self.history if b >= 0][-self.recent_rounds:]
         if not recent:
-            return largest
-        return min(largest, max(self.min_build, self.build_headroom * max(recent)))
-
-    def round_tree(self, builder: TreeBuilder, draft, head) -> DraftTree:
-        """This round's tree: ``builder``'s tree built at ``build_size``, cut by ``cut``. The decoder
-        and the replay both take their rounds' trees from here, so they make the same choices."""
-        return self.cut(builder.build_tree(draft, head, self.build_size(builder.settings.build_size)))
+            return build_budget
+        return min(build_budget, max(self.min_build, self.build_headroom * max(recent)))
 
     def calibration(self, depths: torch.Tensor) -> torch.Tensor:
         c = torch.tensor([(self.prior + a) / (self.prior + p) for a, p in zip(self.accepted, self.predicted)],
@@ -179,7 +175,7 @@ class BudgetPolicy:
         return self.apply(tree, self.choose(tree))
 
     def apply(self, tree: DraftTree, choice: BudgetChoice) -> DraftTree:
-        """Verify ``choice.nodes`` of ``tree`` this round, and decide from it whether the next rounds draft."""
+        """Verify ``choice.budget`` of ``tree``'s nodes this round, and decide from it whether the next rounds draft."""
         self.value += self.smoothing * (choice.worth - self.value)
         self.probe_scale = choice.probe_scale
         if self.value < 1.0:
@@ -190,8 +186,8 @@ class BudgetPolicy:
             self.value = 1.0
         else:
             self.lost_probes = 0
-        self.history.append(choice.nodes)
-        return tree.prefix(choice.nodes) if choice.nodes else DraftTree.empty(tree.tokens.device)
+        self.history.append(choice.budget)
+        return tree.prefix(choice.budget) if choice.budget else DraftTree.empty(tree.tokens.device)
 
     # ------------------------------------------------------------- learning
     def observe(self, tree: DraftTree, accepted_rows: list[int]) -> None:

@@ -28,10 +28,11 @@ from tqdm import tqdm
 from . import kernels
 from .costmodel import CostModel
 from .default_model import cache_root
-from .drafter import DraftProposer, draft_batch
-from .engine import Part, Request, run_round
+from .engine import Request, run_round
 from .hardware import describe_machine
 from .heads import CorrectionHead
+from .proposers import DraftProposer, draft_batch
+from .targets.base import Part
 from .trees import DraftTree, TreeBuilder, TreeSettings, build_trees, make_builder
 from .verify import Sampler
 
@@ -51,7 +52,7 @@ def identity(target, proposer=None) -> dict:
                    f"L{drafter.num_hidden_layers}-b{drafter.block_size}-V{drafter.output_vocab_size}-{drafter.projector_type}",
         "device": str(target.device),
         "dtype": str(target.dtype).removeprefix("torch."),
-        "forward": target.kind,  # lean (lean.py) or hf (target.py)
+        "forward": target.name,  # which forward (targets/)
         "kernels": kernels.build_dir().name,  # the lean kernels' source and build: changed kernels, new times
         "threads": torch.get_num_threads(),
         "machine": describe_machine(),
@@ -81,13 +82,13 @@ class _Chain(TreeBuilder):
     """The cost model's round: the root and a chain of fixed tokens (not a method; no drafter)."""
 
     name = "cost-model chain"
-    uses_drafter = False
+    proposer = None
 
     def __init__(self, tokens: torch.Tensor):
         super().__init__(TreeSettings())
         self.tokens = tokens
 
-    def build(self, draft, head, size):
+    def build(self, draft, head, budget):
         return DraftTree.chain(self.tokens)
 
 
@@ -106,8 +107,7 @@ def measure(target, proposer: DraftProposer | None = None, head: CorrectionHead 
     target.reserve_slots(1)
     target.reset_slot(0)
     target.capture = proposer is not None
-    features = target.forward_parts([Part(0, prompt, torch.arange(context, device=device),
-                                          torch.ones(context, context, dtype=torch.bool, device=device).tril())])[0][1]
+    features = target.forward_parts([Part.causal(0, prompt)])[0][1]
     target.keep(0, 0, torch.arange(context, device=device))
     requests = {n: Request(prompt, _Chain(torch.randint(vocab, (n - 1,), generator=gen).to(device)), Sampler(0.0), 1 << 30,
                            set(), slot=0, output=[bonus], prefilled=context, bonus=bonus) for n in rows}
@@ -135,9 +135,9 @@ def measure(target, proposer: DraftProposer | None = None, head: CorrectionHead 
     if proposer is not None:
         # In a round the drafter call and the tree build follow a target forward, which has streamed
         # the target's weights through the caches and pushed the drafter's out: each timed call here
-        # follows one too (untimed). Timed back to back, on warm caches, a drafter call measured 6.6
-        # ms and a tree build 4.8 ms, while the rounds of 2-4 clients spent 7.9-10.3 ms and 5.5-7.1 ms
-        # (medians, one thread, beside a training job); timed this way, 7.0-7.1 ms and 5.6-5.7 ms.
+        # follows one too (untimed). Timed back to back on warm caches, both come out cheaper than in
+        # real rounds (a drafter call by up to a third; docs/experiments.md, "Notes that used to live
+        # in the code").
         def draft_call():
             proposer.reset()
             proposer.draft(bonus, features[: context - 2], context - 2)  # the drafter's own prefill

@@ -124,10 +124,10 @@ class MeasuredCostModel(CostModel):
     """The calibration's times, each stage scaled by what this process measures while it serves.
 
     A cost model is measured once and cached; the machine it then serves on is not always the one it
-    was measured on: a job on the other core, a guest whose host got busier, a longer context. On a
-    2-core guest a calibration taken beside a one-thread job priced a one-row forward at 34.8 ms and a
-    drafter call at 7.6 ms; serving alone, the forward took 16-20 ms and the call 8-9 ms, so drafting
-    cost twice what the budget believed and auto lost 5-14 % to ``ar`` at 8 clients. The engine reports
+    was measured on: a job on the other core, a guest whose host got busier, a longer context. A
+    calibration taken beside another job can price the target's forward at twice what it costs when
+    serving alone while the drafter call stays as it was, and the budget then drafts where it should
+    not (the measurements: docs/experiments.md, "Notes that used to live in the code"). The engine reports
     each round's forward, batched drafter call and tree build with what the calibration predicted
     (``observe``); each stage's scale is a running geometric mean of measured / predicted (weight
     ``weight`` for the newest round), and every price the budget asks for is the calibration's times

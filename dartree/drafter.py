@@ -1,4 +1,4 @@
-"""Block-diffusion drafter backbone (DFlash on-disk format) and its per-round proposer.
+"""Block-diffusion drafter backbone (DFlash on-disk format), its correction head and its draft output.
 
 The drafter is a stack of Qwen3-style decoder layers whose queries come only from the draft block
 ([bonus, MASK, ..., MASK]) while keys/values are the fused target context followed by the block
@@ -8,7 +8,8 @@ DFlash / Domino checkpoint), unless it carries a reduced draft vocabulary as EAG
 its own ``lm_head.weight`` [V_d, H] over the V_d most frequent target-written tokens and ``d2t`` [V_d]
 (target id = draft id + d2t[draft id]), with ``draft_vocab_size`` in config.json. Base logits, the
 correction heads and the tree builders then work on draft ids; ``DraftOutput.to_target`` maps the
-finished tree's tokens back, so verification only ever sees target ids.
+finished tree's tokens back, so verification only ever sees target ids. The proposer that runs it
+once per round is ``proposers.drafter.DraftProposer``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import CheckpointError, require
-from .heads import CorrectionHead, build_head, to_target_ids
+from .heads import CorrectionHead, DominoHead, MarkovHead, to_target_ids
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -316,6 +317,15 @@ class DrafterLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def build_head(cfg: DrafterConfig) -> CorrectionHead | None:
+    """The correction head a drafter config declares (``projector_type``), or None."""
+    if cfg.projector_type == "domino":
+        return DominoHead(cfg.hidden_size, cfg.gru_hidden_dim, cfg.emb_dim, cfg.output_vocab_size, cfg.pure_draft_prefix_len)
+    if cfg.projector_type == "markov":
+        return MarkovHead(cfg.vocab_size, cfg.markov_rank, cfg.output_vocab_size)
+    return None
+
+
 class DrafterModel(nn.Module):
     """The drafter weights: backbone (+ optional correction head), named as in the published format."""
 
@@ -398,92 +408,3 @@ class DraftOutput:
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return to_target_ids(self.d2t, draft_ids)
-
-
-class DraftProposer:
-    """Runs the drafter once per round with the target's frozen embedding and output layer (or its own
-    reduced-vocabulary output layer when it has one)."""
-
-    def __init__(self, model: DrafterModel, embed_tokens: nn.Embedding, lm_head: nn.Module):
-        self.model = model
-        self.embed_tokens = embed_tokens
-        self.lm_head = model.lm_head if model.lm_head is not None else lm_head
-        self.cache = DrafterCache(model.config.num_hidden_layers)
-        cfg = model.config
-        if model.mask_embedding is None:
-            require(
-                cfg.mask_token_id < embed_tokens.num_embeddings,
-                f"mask_token_id {cfg.mask_token_id} is outside the target embedding ({embed_tokens.num_embeddings} rows) "
-                "and the drafter has no mask_embedding weight",
-            )
-
-    @property
-    def num_depths(self) -> int:
-        return self.model.config.num_draft_depths
-
-    def reset(self) -> None:
-        self.cache = DrafterCache(self.model.config.num_hidden_layers)
-
-    @torch.no_grad()
-    def draft(self, bonus: int, new_features: torch.Tensor, start: int) -> DraftOutput:
-        """new_features: tapped target states [C, m*H] of positions cache_len..start-1."""
-        return draft_batch([self], [bonus], [new_features], [start])[0]
-
-
-@torch.no_grad()
-def draft_batch(proposers: list[DraftProposer], bonuses: list[int], features: list[torch.Tensor],
-                starts: list[int]) -> list[DraftOutput]:
-    """One drafter call for many requests (the round's speculating requests), each with its own
-    drafter cache: the blocks run as one batch whose new context rows and cached keys are padded to
-    the longest, with a mask that shows each block only its own request's keys. The weights, the
-    drafter's output layer included, are read once for the whole batch; one request runs on its own
-    cache as it is (``DraftProposer.draft``)."""
-    first = proposers[0]
-    model, cfg = first.model, first.model.config
-    require(all(p.model is model and p.embed_tokens is first.embed_tokens for p in proposers),
-            "a batched draft call needs proposers of one drafter")
-    device, b, q = features[0].device, len(proposers), cfg.block_size
-    cached = [p.cache.length for p in proposers]
-    new = [f.shape[0] for f in features]
-    require(all(c + n == s for c, n, s in zip(cached, new, starts)), "drafter context out of step with the target")
-    block_pos = torch.stack([s + torch.arange(q, device=device) for s in starts])
-    if b == 1:  # alone: straight on its own cache, nothing to pad or hide
-        feats, cache, mask = features[0][None], first.cache, None
-        ctx_pos, block_pos = torch.arange(cached[0], starts[0], device=device), block_pos[0]
-    else:
-        longest_cache, longest_new = max(cached), max(new)
-        feats = features[0].new_zeros(b, longest_new, features[0].shape[-1])
-        for i, f in enumerate(features):
-            feats[i, : f.shape[0]] = f
-        steps = torch.arange(longest_new, device=device)
-        ctx_pos = torch.stack([c + steps for c in cached])  # padded rows get positions too; the mask hides them
-        # keys a block sees, in order: [cached (padded to the longest), new context (padded), its own block]
-        mask = torch.zeros(b, 1, q, longest_cache + longest_new + q, dtype=torch.bool, device=device)
-        for i, (c, n) in enumerate(zip(cached, new)):
-            mask[i, :, :, :c] = True
-            mask[i, :, :, longest_cache:longest_cache + n] = True
-        mask[:, :, :, longest_cache + longest_new:] = True
-        cache = DrafterCache(cfg.num_hidden_layers)
-        if longest_cache:
-            shape = (b, cfg.num_key_value_heads, longest_cache, cfg.head_dim)
-            for layer in range(cfg.num_hidden_layers):
-                keys, values = feats.new_zeros(shape), feats.new_zeros(shape)
-                for i, p in enumerate(proposers):
-                    if cached[i]:
-                        keys[i, :, : cached[i]] = p.cache.keys[layer][0]
-                        values[i, :, : cached[i]] = p.cache.values[layer][0]
-                cache.keys[layer], cache.values[layer] = keys, values
-    embeds = model.block_embeddings(first.embed_tokens, torch.tensor(bonuses, device=device))
-    hidden = model(embeds, feats, ctx_pos, block_pos, cache=cache, attn_mask=mask)  # [b, Q, H]
-    if b == 1:
-        first.cache.crop(starts[0])  # keep the context K/V, drop the block's
-    else:
-        for i, p in enumerate(proposers):  # each request keeps its new context K/V (the blocks' never stay)
-            rows = slice(longest_cache, longest_cache + new[i])
-            for layer in range(cfg.num_hidden_layers):
-                p.cache.append(layer, cache.keys[layer][i:i + 1, :, rows], cache.values[layer][i:i + 1, :, rows])
-    if not cfg.shift_label:
-        hidden = hidden[:, 1:]  # slot 0 only restates the bonus token
-    logits = first.lm_head(hidden.reshape(-1, hidden.shape[-1])).reshape(b, hidden.shape[1], -1)
-    return [DraftOutput(bonus=bonus, hidden=hidden[i], base_logits=logits[i], d2t=model.d2t)
-            for i, bonus in enumerate(bonuses)]

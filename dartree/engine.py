@@ -1,23 +1,27 @@
 """The round, and the engine that runs it over many requests at once (continuous batching).
 
-One round, for every active request together:
+``run_round`` is seven plain functions over one ``RoundState`` (a ``Lane`` per request):
 
-1. **draft** - ONE drafter call for the requests that speculate this round (each with its own
-   drafter cache; ``drafter.draft_batch``);
-2. **tree** - its method builds its tree (requests of one method built together where the method
-   batches, ``trees.build_trees``); where the budget is "auto", one cut across the batch takes
-   the prefixes that maximise the batch's expected committed tokens per millisecond of the round's
-   forward (``budget.cut_batch``: DARTree's global top-B, taken across requests);
-3. **verify** - ONE target forward over the rows of every request: a decoding request's root (its
-   bonus token) and tree, a prefilling request's next prompt chunk, each in its own slot of the
-   target's K/V store with its own positions and ancestor mask;
-4. **commit** - each request walks its tree with its own choices (its own sampler), its slot is
-   compacted to the accepted path, and its tokens are handed on; a request ends with a reason
+1. **plan** - the prompt rows this round runs and which decoding requests speculate (their budget
+   policy, and in a batch whether their proposer call can pay: ``budget.plan_drafting``);
+2. **propose** - ONE call per kind of proposer for the requests that speculate (``proposers``);
+3. **grow** - each method builds its tree from its proposal (requests of one method together,
+   ``trees.build_trees``); an ``ar`` request or one that does not speculate gets an empty tree;
+4. **cut** - budget "auto": one cut across the batch keeps the prefixes that maximise the batch's
+   expected committed tokens per millisecond of the forward (DARTree's global top-B, across requests);
+5. **verify** - ONE target forward over every request's rows (a prompt chunk, or the bonus token and
+   its tree), each in its own slot (``targets.base.Target``), and the output layer over the rows the
+   walks need first;
+6. **walk** - each request walks its tree with its own choices (its own sampler; ``verify.walk_steps``);
+7. **observe** - the accepted path is committed to the target's slot and shown to the proposer, the
+   budget policy learns from it, and the tokens are handed on; a request ends with a reason
    (``FINISH_STOP``, ``FINISH_LENGTH``, ``FINISH_CANCELLED``, ``FINISH_ERROR``).
 
-``run_alone`` (a single ``generate``, the bench, replay's reference) is the batch of one; the server's engine thread runs
-``Engine.step`` with requests joining and leaving between rounds. Because every row of the lean
-forward gets the same bits whatever else shares the forward, a request's text at T = 0 is the text it
+``reference_round`` is the same round for one request, written straight through: the readable
+reference (tests check it gives the batched round's tokens and stats). ``run_alone`` (a single
+``generate``, the bench, replay) is the batch of one; the server's engine thread runs
+``Engine.step`` with requests joining and leaving between rounds. On a row-invariant target every
+row gets the same bits whatever else shares the forward, so a request's text at T = 0 is the text it
 gets alone, and at T > 0 its own seeded sampler draws the same samples as alone.
 """
 
@@ -32,14 +36,14 @@ import torch
 
 from .budget import BudgetPolicy, cut_batch, plan_drafting
 from .costmodel import MeasuredCostModel
-from .drafter import DraftProposer, draft_batch
-from .heads import CorrectionHead
+from .proposers import Proposer
+from .targets.base import Part, Target
 from .trees import DraftTree, TreeBuilder, build_trees
 from .verify import Sampler, ancestor_matrix, first_ask, walk_steps
+from .verify import walk as verify_walk
 
 # A decoding round's stages, timed per request; a prompt chunk's round counts as "prefill".
 ROUND_STAGES = ("draft", "tree", "verify", "commit")
-STAGES = ("prefill", *ROUND_STAGES)
 FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = "stop", "length", "cancelled", "error"
 # Prompt rows one round may add while other requests decode: a new request's prefill is chunked so
 # that it never holds the others' next token back by more than one such forward. Alone, a request
@@ -102,7 +106,7 @@ class Request:
     max_new_tokens: int
     stop_ids: set[int]
     policy: BudgetPolicy | None = None  # budget "auto": how much of the ranked tree to verify
-    proposer: DraftProposer | None = None  # its own drafter cache (methods that draft)
+    proposer: Proposer | None = None  # its own proposer (its own drafter cache): methods that speculate
     on_tokens: Callable[[list[int]], None] | None = None  # each round's committed tokens, already truncated
     cancelled: Callable[[], bool] | None = None  # polled before each round: True ends it (FINISH_CANCELLED)
     # state
@@ -110,7 +114,6 @@ class Request:
     output: list[int] = field(default_factory=list)
     prefilled: int = 0  # prompt rows in the target's cache
     bonus: int | None = None  # the next token, chosen but not yet in the target's cache
-    pending: list[torch.Tensor] = field(default_factory=list)  # tapped states the drafter has not seen
     stats: GenerationStats | None = None
     error: BaseException | None = None
     decode_start: float | None = None
@@ -127,10 +130,6 @@ class Request:
     @property
     def prefilling(self) -> bool:
         return self.bonus is None
-
-    @property
-    def uses_drafter(self) -> bool:
-        return self.builder.uses_drafter and self.proposer is not None
 
     @property
     def position(self) -> int:
@@ -161,17 +160,6 @@ class Request:
             self.stats.decode_seconds = time.perf_counter() - self.decode_start
 
 
-@dataclass
-class Part:
-    """One request's rows in a round's forward: tokens, depths (RoPE offsets from the slot's
-    committed length) and what each row sees of the request's new rows (boolean [n, n])."""
-
-    slot: int
-    tokens: torch.Tensor
-    depths: torch.Tensor
-    visible: torch.Tensor
-
-
 class _StageClock:
     """Wall time per stage of a round, charged to every request the round served. On a GPU each lap
     first waits for the queued kernels, or a stage would be charged with the work of the one before."""
@@ -189,245 +177,297 @@ class _StageClock:
         self.mark = now
 
 
-def _together(group: list[Request], work: Callable[[list[Request]], None]) -> None:
-    """``work(group)`` for the requests together (one drafter call, one batch of trees); when it
-    fails, each request again alone, so that only the request whose work fails ends (with its
-    error) and the others go on."""
-    try:
-        work(group)
-    except Exception as exc:  # noqa: BLE001 - see the docstring
-        if len(group) > 1:
-            for r in group:
-                _together([r], work)
-        else:
-            group[0].error = exc
-            group[0].finish(FINISH_ERROR)
+# ---------------------------------------------------------------- the round, stage by stage
+@dataclass
+class Lane:
+    """One request's share of a round: what each stage hands the next."""
+
+    request: Request
+    decoding: bool  # False: it is prefilling (its prompt rows run this round)
+    prompt_rows: int = 0  # a prefilling request: the prompt rows it runs this round
+    speculates: bool = False  # its proposer is called this round
+    proposal: object | None = None  # what its proposer gave (a drafter's draft, or a finished tree)
+    tree: DraftTree | None = None  # a decoding request's tree (empty: a plain step)
+    part: Part | None = None  # its rows in the round's forward
+    start: int = 0  # its slot's committed length before the forward
+    hidden: torch.Tensor | None = None  # final-normed states of its rows
+    tapped_states: torch.Tensor | None = None  # the tapped layers' states of its rows
+    walk: Generator | None = None  # ``verify.walk_steps`` of its tree
+    asked: list[int] = field(default_factory=list)  # rows whose choices its walk waits for
+    after: list[int] = field(default_factory=list)  # row i chooses the token at position after[i]
+    accepted: tuple[list[int], int] | None = None  # the walk's result: accepted rows, next bonus
+
+    def fail(self, exc: BaseException) -> None:
+        """This request ends with its error; the others go on."""
+        self.request.error = exc
+        self.request.finish(FINISH_ERROR)
 
 
 @dataclass
-class _Walk:
-    """One request's walk in the round's commit (``verify.walk_steps``) and what its commit needs."""
+class RoundState:
+    target: Target
+    lanes: list[Lane]
+    prefill_rows: int
+    costs: MeasuredCostModel | None
+    clock: _StageClock
 
-    request: Request
-    tree: DraftTree
-    part: Part
-    hidden: torch.Tensor
-    features: torch.Tensor | None
-    start: int  # the slot's committed length before the round
-    after: list[int]  # each row's choice is of the token at this position
-    steps: Generator
-    asked: list[int] = field(default_factory=list)  # the rows whose choices it waits for
-    result: tuple[list[int], int] | None = None  # accepted rows, next bonus
+    def live(self, decoding: bool | None = None) -> list[Lane]:
+        return [ln for ln in self.lanes if not ln.request.finished and (decoding is None or ln.decoding == decoding)]
 
-    def advance(self, choices: list[int] | None) -> bool:
-        """Send ``choices`` (None: start); True while it asks for more (``asked``)."""
+    @property
+    def prompt_rows(self) -> int:
+        return sum(ln.prompt_rows for ln in self.lanes)
+
+
+def _together(lanes: list[Lane], work: Callable[[list[Lane]], None]) -> None:
+    """``work(lanes)`` for the requests together (one proposer call, one batch of trees); when it
+    fails, each request again alone, so that only the request whose work fails ends."""
+    try:
+        work(lanes)
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        if len(lanes) > 1:
+            for ln in lanes:
+                _together([ln], work)
+        else:
+            lanes[0].fail(exc)
+
+
+def plan(state: RoundState) -> None:
+    """Which prompt rows run, and which decoding requests speculate: those whose budget policy
+    says so, and, in a batch, only those whose proposer call is expected to pay (``plan_drafting``)."""
+    left = state.prefill_rows
+    for ln in state.lanes:
+        r = ln.request
+        if r.prefilling and left > 0:
+            ln.prompt_rows = min(left, r.prompt_ids.numel() - r.prefilled)
+            left -= ln.prompt_rows
+    decoding = state.live(decoding=True)
+    for ln in decoding:
+        ln.speculates = ln.request.proposer is not None and (ln.request.policy is None or ln.request.policy.speculate())
+    planned = [ln for ln in decoding if ln.speculates and ln.request.policy is not None]
+    if len(decoding) > 1 and planned:
+        for ln, drafting in zip(planned, plan_drafting([ln.request.policy for ln in planned], len(decoding) + state.prompt_rows,
+                                                       float(len(decoding)), state.prompt_rows)):
+            if not drafting:
+                ln.request.policy.skip()
+                ln.speculates = False
+
+
+def _propose_group(lanes: list[Lane]) -> None:
+    requests = [ln.request for ln in lanes]
+    proposals = type(requests[0].proposer).propose_batch([r.proposer for r in requests], [r.bonus for r in requests],
+                                                         [r.position for r in requests])
+    for ln, proposal in zip(lanes, proposals):
+        ln.proposal = proposal
+        if not ln.request.drafted:  # the first call also reads the prompt: decode time starts after it
+            ln.request.drafted, ln.request.decode_start = True, time.perf_counter()
+
+
+def propose(state: RoundState) -> None:
+    """The proposers' calls: a request's first call alone (it reads its whole prompt; batched, it
+    would pad the others to its length), then ONE call per kind of proposer for the rest."""
+    speculating = [ln for ln in state.live(decoding=True) if ln.speculates]
+    for ln in speculating:
+        if not ln.request.drafted:
+            _together([ln], _propose_group)
+    state.clock.lap("draft")
+    first_calls_ms = state.clock.laps.get("draft", 0.0)
+    continuing = [ln for ln in speculating if ln.proposal is None and not ln.request.finished]
+    for kind in dict.fromkeys(ln.request.proposer.batch_key for ln in continuing):
+        _together([ln for ln in continuing if ln.request.proposer.batch_key == kind], _propose_group)
+    state.clock.lap("draft")
+    if state.costs is not None and continuing:  # the model prices continuing calls, not a first one
+        state.costs.observe("draft", state.costs.calibrated_draft(len(continuing)), state.clock.laps["draft"] - first_calls_ms)
+
+
+def _grow_group(lanes: list[Lane]) -> None:
+    requests = [ln.request for ln in lanes]
+    budgets = [r.policy.round_budget(r.builder.settings.build_budget) if r.policy is not None else None for r in requests]
+    head = getattr(requests[0].proposer, "head", None)
+    for ln, tree in zip(lanes, build_trees([r.builder for r in requests], [ln.proposal for ln in lanes], head, budgets)):
+        ln.tree = tree
+
+
+def grow(state: RoundState) -> None:
+    """Each decoding request's method builds its tree from its proposal (``ar``'s, or one without a
+    proposal this round, is empty: a plain step), requests of one method and settings together."""
+    building = [ln for ln in state.live(decoding=True) if ln.request.proposer is None or ln.proposal is not None]
+    if building:
+        _together(building, _grow_group)
+    state.clock.lap("tree")
+    priced = [ln for ln in building if ln.request.policy is not None and ln.proposal is not None]
+    if state.costs is not None and priced and len(priced) == len(building):  # the model prices budgeted builds
+        state.costs.observe("tree", state.costs.calibrated_tree(len(priced)), state.clock.laps["tree"])
+
+
+def cut(state: RoundState) -> None:
+    """Budget "auto": one cut across the batch keeps the prefixes of the ranked trees that maximise
+    the batch's expected committed tokens per millisecond of the round's forward."""
+    decoding = state.live(decoding=True)
+    ranked = [ln for ln in decoding if ln.request.policy is not None and ln.tree is not None]
+    if not ranked:
+        return
+    fixed_rows = len(decoding) + state.prompt_rows + sum(len(ln.tree) for ln in decoding
+                                                         if ln.request.policy is None and ln.tree is not None)
+    trees = cut_batch([(ln.request.policy, ln.tree) for ln in ranked], fixed_rows, float(len(decoding)), state.prompt_rows)
+    for ln, tree in zip(ranked, trees):
+        ln.tree = tree
+    state.clock.lap("tree")
+
+
+def _rows(state: RoundState, ln: Lane) -> tuple[Part, list[int]]:
+    """A lane's rows in the forward and the rows whose choices it needs first: a prompt chunk (its
+    last row when the prompt ends there), or the bonus token and tree (the tree's likely path)."""
+    r = ln.request
+    if r.prefilling:
+        part = Part.causal(r.slot, r.prompt_ids[r.prefilled:r.prefilled + ln.prompt_rows])
+        return part, [ln.prompt_rows - 1] if r.prefilled + ln.prompt_rows == r.prompt_ids.numel() else []
+    ln.tree = ln.tree if ln.tree is not None else DraftTree.empty(state.target.device)
+    tokens, depths = ln.tree.rows(r.bonus)
+    return Part(r.slot, tokens, depths, ancestor_matrix(ln.tree)), first_ask(ln.tree)
+
+
+def verify(state: RoundState) -> torch.Tensor | None:
+    """ONE target forward over every request's rows, then the output layer over the rows each
+    request needs first, for all requests in one product (its weights read once). Returns those logits."""
+    target = state.target
+    lanes = [ln for ln in state.live() if ln.decoding or ln.prompt_rows]
+    if not lanes:
+        return None
+    for ln in lanes:
+        ln.part, ln.asked = _rows(state, ln)
+        ln.start = target.slot_length(ln.request.slot)
+    target.capture = bool(target.tapped_layers) and any(_reads_tapped_states(ln.request) for ln in lanes)
+    for ln, (hidden, tapped) in zip(lanes, target.forward_parts([ln.part for ln in lanes])):
+        ln.hidden, ln.tapped_states = hidden, tapped
+    gathered = [ln.hidden[ln.asked] for ln in lanes if ln.asked]
+    logits = target.lm_head(torch.cat(gathered)) if gathered else None
+    state.clock.lap("verify")
+    if state.costs is not None:  # what the calibration timed: a forward with its first output-layer rows
+        state.costs.observe("verify", state.costs.calibrated_verify(sum(ln.part.tokens.numel() for ln in lanes)),
+                            state.clock.laps["verify"])
+    return logits
+
+
+def _reads_tapped_states(r: Request) -> bool:
+    return r.proposer is not None and r.proposer.reads_tapped_states
+
+
+def _take_prompt(target: Target, ln: Lane, logits: torch.Tensor | None) -> None:
+    """A prompt chunk is in the cache: the proposer sees it; its last row chooses the first token."""
+    r = ln.request
+    n = ln.part.tokens.numel()
+    commit(target, ln, list(range(n)))
+    r.prefilled += n
+    if logits is not None:
+        r.bonus = int(r.sampler(logits, [r.prompt_ids.numel()])[0])
+        if r.policy is not None:
+            r.policy.start_request()
+        r.emit([r.bonus])
+        if r.decode_start is None:
+            r.decode_start = time.perf_counter()
+
+
+def _advance(ln: Lane, choices: list[int] | None) -> bool:
+    """Send ``choices`` to the lane's walk (None: start it); True while it asks for more rows."""
+    try:
+        ln.asked = next(ln.walk) if choices is None else ln.walk.send(choices)
+        return True
+    except StopIteration as done:
+        ln.accepted = done.value
+        return False
+
+
+def walk(state: RoundState, logits: torch.Tensor | None) -> None:
+    """Every decoding request walks its tree with its own choices (its own sampler); the walks run
+    together, so each further ask of the output layer (where the target leaves a likely path) is one
+    product over the rows every request needs. A prompt chunk is taken in."""
+    asking, offset = [], 0
+    for ln in [ln for ln in state.live() if ln.part is not None]:
+        first = logits[offset:offset + len(ln.asked)] if ln.asked else None
+        offset += len(ln.asked)
         try:
-            self.asked = next(self.steps) if choices is None else self.steps.send(choices)
-            return True
-        except StopIteration as done:
-            self.result = done.value
-            return False
+            if not ln.decoding:
+                _take_prompt(state.target, ln, first)
+                continue
+            ln.after = (ln.request.position + 1 + ln.part.depths).tolist()  # row i chooses the token after it
+            known = dict(zip(ln.asked, ln.request.sampler(first, [ln.after[i] for i in ln.asked]).tolist()))
+            ln.walk = walk_steps(ln.tree, known)
+            if _advance(ln, None):
+                asking.append(ln)
+        except Exception as exc:  # noqa: BLE001 - this request ends with its error; the others go on
+            ln.fail(exc)
+    while asking:
+        more, at, still = state.target.lm_head(torch.cat([ln.hidden[ln.asked] for ln in asking])), 0, []
+        for ln in asking:
+            rows, at = more[at:at + len(ln.asked)], at + len(ln.asked)
+            try:
+                if _advance(ln, ln.request.sampler(rows, [ln.after[i] for i in ln.asked]).tolist()):
+                    still.append(ln)
+            except Exception as exc:  # noqa: BLE001 - this request ends with its error; the others go on
+                ln.fail(exc)
+        asking = still
+
+
+def commit(target: Target, ln: Lane, rows: list[int]) -> None:
+    """The rows ``rows`` of the lane's part stay in the target's slot (the others are dropped) and
+    the request's proposer sees them, with their tapped states."""
+    _keep(target, ln.request, ln.start, ln.part.tokens, ln.tapped_states, rows)
+
+
+def observe(state: RoundState) -> None:
+    """Each walked request commits its accepted path, its budget policy learns what was accepted,
+    its stats take the round, and its tokens (the accepted drafts and the next bonus) are handed on."""
+    for ln in state.live(decoding=True):
+        if ln.accepted is None:  # its walk failed
+            continue
+        r, (accepted, next_bonus) = ln.request, ln.accepted
+        try:
+            commit(state.target, ln, accepted)
+            if r.policy is not None:
+                r.policy.observe(ln.tree, accepted)
+            r.stats.acceptance_lengths.append(len(accepted))
+            r.stats.tree_sizes.append(len(ln.tree))
+            r.stats.drafted.append(ln.proposal is not None)
+            r.bonus = next_bonus
+            r.emit(ln.part.tokens[accepted[1:]].tolist() + [next_bonus])
+        except Exception as exc:  # noqa: BLE001 - this request ends with its error; the others go on
+            ln.fail(exc)
+    state.clock.lap("commit")
+    total = sum(state.clock.laps.values())
+    for ln in state.lanes:  # a prompt chunk's round counts as prefill; a decoding round by stage
+        if ln.part is None:
+            continue
+        laps = state.clock.laps if ln.decoding else {"prefill": total}
+        for stage, ms in laps.items():
+            ln.request.stats.stage_ms[stage] = ln.request.stats.stage_ms.get(stage, 0.0) + ms
 
 
 @torch.no_grad()
-def run_round(target, requests: list[Request], head: CorrectionHead | None = None, prefill_rows: int | None = None,
+def run_round(target: Target, requests: list[Request], prefill_rows: int | None = None,
               costs: MeasuredCostModel | None = None) -> None:
     """One round over ``requests`` (each holding a slot of ``target``): see the module docstring.
-    ``costs``: where given, the round's forward, batched drafter call and tree build are reported to
+    ``costs``: where given, the round's forward, batched proposer call and tree build are reported to
     it with what its calibration priced them at (the budget then weighs what it measures)."""
-    clock = _StageClock(target.device)
-    decoding = [r for r in requests if not r.prefilling]
     if prefill_rows is None:
-        prefill_rows = target.prefill_chunk if not decoding else PREFILL_ROWS_BESIDE_DECODING
-
-    # This round's prompt chunks: the prefilling requests in order, sharing ``prefill_rows``.
-    chunks: dict[int, int] = {}
-    left = prefill_rows
-    for r in requests:
-        if r.prefilling and left > 0:
-            chunks[id(r)] = min(left, r.prompt_ids.numel() - r.prefilled)
-            left -= chunks[id(r)]
-
-    # 1. one drafter call for the requests that speculate this round (a request's first call, which
-    # also takes in its whole prompt, runs alone rather than pad the others to its length).
-    prompt_rows = sum(chunks.values())
-    speculating = [r for r in decoding if r.uses_drafter and (r.policy is None or r.policy.speculate())]
-    planned = [r for r in speculating if r.policy is not None]
-    if len(decoding) > 1 and planned:  # in a batch, a drafter call that cannot pay is not even made
-        skipped = set()
-        for r, drafting in zip(planned, plan_drafting([r.policy for r in planned], len(decoding) + prompt_rows,
-                                                      float(len(decoding)), prompt_rows)):
-            if not drafting:
-                r.policy.skip()
-                skipped.add(id(r))
-        speculating = [r for r in speculating if id(r) not in skipped]
-    continuing = [r for r in speculating if r.drafted]
-    drafts: dict[int, object] = {}
-
-    def draft(group: list[Request]) -> None:
-        features = [torch.cat(r.pending) if len(r.pending) > 1 else r.pending[0] for r in group]
-        if len(group) == 1:  # its proposer's own call (the same code as a batch of one)
-            outputs = [group[0].proposer.draft(group[0].bonus, features[0], group[0].position)]
-        else:
-            outputs = draft_batch([r.proposer for r in group], [r.bonus for r in group], features, [r.position for r in group])
-        for r, out in zip(group, outputs):
-            r.pending = []
-            drafts[id(r)] = out
-            if not r.drafted:  # the first draft call also prefills the drafter: not decode time
-                r.drafted, r.decode_start = True, time.perf_counter()
-
-    for group in [[r] for r in speculating if not r.drafted]:
-        _together(group, draft)
-    clock.lap("draft")
-    first_calls_ms = clock.laps["draft"]
-    if continuing:
-        _together(continuing, draft)
-    clock.lap("draft")
-    if costs is not None and continuing:  # a first call also reads its prompt: not what the model prices
-        costs.observe("draft", costs.calibrated_draft(len(continuing)), clock.laps["draft"] - first_calls_ms)
-    # 2. each decoding request's method builds its tree (``ar``'s is empty; a drafting method's needs
-    # this round's draft: without one, after a back-off or a failed call, the round is a plain step),
-    # requests of one method and settings together (``trees.build_trees``), then one cut across the batch.
-    trees: dict[int, DraftTree] = {}
-
-    def build(group: list[Request]) -> None:
-        sizes = [r.policy.build_size(r.builder.settings.build_size) if r.policy is not None else None for r in group]
-        built = build_trees([r.builder for r in group], [drafts.get(id(r)) for r in group], head, sizes)
-        trees.update((id(r), tree) for r, tree in zip(group, built))
-
-    building = [r for r in decoding if not r.finished and (not r.uses_drafter or id(r) in drafts)]
-    if building:
-        _together(building, build)
-    clock.lap("tree")
-    # The model prices dartree builds under the budget (the trees auto cuts); other methods' builds are not priced.
-    priced = [r for r in building if r.policy is not None and id(r) in drafts]
-    if costs is not None and priced and len(priced) == len(building):
-        costs.observe("tree", costs.calibrated_tree(len(priced)), clock.laps["tree"])
-    requests = [r for r in requests if not r.finished]
-    decoding = [r for r in decoding if not r.finished]
-    ranked = [r for r in decoding if r.policy is not None and id(r) in trees]
-    if ranked:
-        fixed_rows = len(decoding) + prompt_rows + sum(len(trees[id(r)]) for r in decoding if r.policy is None and id(r) in trees)
-        for r, tree in zip(ranked, cut_batch([(r.policy, trees[id(r)]) for r in ranked], fixed_rows, float(len(decoding)), prompt_rows)):
-            trees[id(r)] = tree
-        clock.lap("tree")
-
-    # 3. one forward over every request's rows.
-    parts, plans = [], []
-    for r in requests:
-        if r.prefilling:
-            n = chunks.get(id(r), 0)
-            if n == 0:
-                continue
-            parts.append(Part(r.slot, r.prompt_ids[r.prefilled:r.prefilled + n], torch.arange(n),
-                              torch.ones(n, n, dtype=torch.bool).tril()))
-            plans.append((r, None))
-        else:
-            tree = trees.get(id(r), DraftTree.empty(target.device))
-            tokens, depths = tree.rows(r.bonus)
-            parts.append(Part(r.slot, tokens, depths, ancestor_matrix(tree)))
-            plans.append((r, tree))
-    if not parts:
-        return
-    target.capture = bool(target.tapped_layers) and any(r.uses_drafter for r, _ in plans)
-    starts = [target.slot_length(p.slot) for p in parts]
-    outputs = target.forward_parts(parts)
-
-    # The output layer over the rows each request needs first (a finished prompt's last row; the
-    # likely path of a tree), for all requests in one product: its weights are read once.
-    asks = []
-    for (r, tree), part in zip(plans, parts):
-        if tree is None:
-            done = r.prefilled + part.tokens.numel() == r.prompt_ids.numel()
-            asks.append([part.tokens.numel() - 1] if done else [])
-        else:
-            asks.append(first_ask(tree))
-    gathered = [h[rows] for (h, _), rows in zip(outputs, asks) if rows]
-    logits = target.lm_head(torch.cat(gathered)) if gathered else None
-    clock.lap("verify")
-    if costs is not None:  # the calibration timed this lap of this round (a forward with its first output-layer rows)
-        costs.observe("verify", costs.calibrated_verify(sum(p.tokens.numel() for p in parts)), clock.laps["verify"])
-
-    # 4. commit: every decoding request walks its tree with its own choices; the walks run together,
-    # so each further ask of the output layer (where the target leaves a likely path) is one product
-    # over the rows all requests need, not one pass over the output weights per request.
-    offset = 0
-    walks: list[_Walk] = []
-    for (r, tree), part, (hidden, features), rows, start in zip(plans, parts, outputs, asks, starts):
-        first_logits = logits[offset:offset + len(rows)] if rows else None
-        offset += len(rows)
-        try:
-            if tree is None:
-                r.prefilled += part.tokens.numel()
-                if features is not None:
-                    r.pending.append(features)
-                if rows:  # the prompt is in: its last row chooses the first token
-                    r.bonus = int(r.sampler(first_logits, [r.prompt_ids.numel()])[0])
-                    if r.policy is not None:
-                        r.policy.start_request()
-                    r.emit([r.bonus])
-                    if r.decode_start is None:
-                        r.decode_start = time.perf_counter()
-                continue
-            # The choice at a row is the token after it: at the bonus's position + the row's depth + 1.
-            after = (r.position + 1 + part.depths).tolist()
-            known = dict(zip(rows, r.sampler(first_logits, [after[i] for i in rows]).tolist()))
-            walks.append(_Walk(r, tree, part, hidden, features, start, after, walk_steps(tree, known)))
-        except Exception as exc:  # noqa: BLE001 - this request ends with its error; the others go on
-            r.error = exc
-            r.finish(FINISH_ERROR)
-    asking = [w for w in walks if w.advance(None)]
-    while asking:
-        more = target.lm_head(torch.cat([w.hidden[w.asked] for w in asking]))
-        at, still = 0, []
-        for w in asking:
-            rows, at = more[at:at + len(w.asked)], at + len(w.asked)
-            try:
-                choices = w.request.sampler(rows, [w.after[i] for i in w.asked]).tolist()
-            except Exception as exc:  # noqa: BLE001 - this request ends with its error; the others go on
-                w.request.error = exc
-                w.request.finish(FINISH_ERROR)
-                continue
-            if w.advance(choices):
-                still.append(w)
-        asking = still
-    for w in walks:
-        r = w.request
-        if w.result is None:  # its walk failed
-            continue
-        accepted, next_bonus = w.result
-        try:
-            keep = torch.tensor(accepted)
-            target.keep(r.slot, w.start, keep)
-            if r.policy is not None:
-                r.policy.observe(w.tree, accepted)
-            if w.features is not None:  # rows the drafter has not seen yet (plain steps add up)
-                r.pending.append(w.features.index_select(0, keep.to(w.features.device)))
-            r.stats.acceptance_lengths.append(len(accepted))
-            r.stats.tree_sizes.append(len(w.tree))
-            r.stats.drafted.append(id(r) in drafts)
-            r.bonus = next_bonus
-            r.emit(w.part.tokens[keep[1:]].tolist() + [next_bonus])
-        except Exception as exc:  # noqa: BLE001 - this request ends with its error; the others go on
-            r.error = exc
-            r.finish(FINISH_ERROR)
-    clock.lap("commit")
-    total = sum(clock.laps.values())
-    for r, tree in plans:  # a prompt chunk's round counts as prefill; a decoding round by stage
-        laps = {"prefill": total} if tree is None else clock.laps
-        for stage, ms in laps.items():
-            r.stats.stage_ms[stage] = r.stats.stage_ms.get(stage, 0.0) + ms
-
+        prefill_rows = target.prefill_chunk if all(r.prefilling for r in requests) else PREFILL_ROWS_BESIDE_DECODING
+    state = RoundState(target, [Lane(r, decoding=not r.prefilling) for r in requests], prefill_rows, costs, _StageClock(target.device))
+    plan(state)
+    propose(state)
+    grow(state)
+    cut(state)
+    logits = verify(state)
+    walk(state, logits)
+    observe(state)
 
 class Engine:
     """Requests join and leave between rounds: ``submit`` queues one, ``step`` admits waiting requests
     into free slots (up to ``max_batch``) and runs one round over every active request."""
 
-    def __init__(self, target, head: CorrectionHead | None = None, max_batch: int = 1, costs: MeasuredCostModel | None = None):
+    def __init__(self, target: Target, max_batch: int = 1, costs: MeasuredCostModel | None = None):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.target = target
-        self.head = head
         self.costs = costs  # where given, every admitted request's budget weighs what the rounds measure
         self.max_batch = target.reserve_slots(max_batch)
         self.free = list(range(self.max_batch))
@@ -474,7 +514,7 @@ class Engine:
         if self.active:
             self.batch_sizes.append(len(self.active))
             self.rounds += 1
-            run_round(self.target, self.active, self.head, costs=self.costs)
+            run_round(self.target, self.active, costs=self.costs)
         return done + self._release()
 
     def _release(self) -> list[Request]:
@@ -497,12 +537,76 @@ class Engine:
             self.step()
 
 
-def run_alone(target, request: Request, head: CorrectionHead | None = None) -> Request:
+def run_alone(target: Target, request: Request) -> Request:
     """Run one request to its end as a batch of one (``generate``, the bench, replay's reference);
     its error, if it failed, is raised here."""
-    engine = Engine(target, head, max_batch=1)
+    engine = Engine(target, max_batch=1)
     engine.submit(request)
     engine.run()
     if request.error is not None:
         raise request.error
+    return request
+
+
+# ---------------------------------------------------------------- the same round, one request, straight through
+@torch.no_grad()
+def reference_round(target: Target, r: Request) -> None:
+    """One round of one request, written top to bottom: the readable reference of ``run_round``
+    (tests check that both give the same tokens and stats)."""
+    start = target.slot_length(r.slot)
+    target.capture = bool(target.tapped_layers) and _reads_tapped_states(r)
+    if r.prefilling:  # the next prompt chunk; its last row, at the prompt's end, chooses the first token
+        tokens = r.prompt_ids[r.prefilled:r.prefilled + target.prefill_chunk]
+        ((hidden, tapped),) = target.forward_parts([Part.causal(r.slot, tokens)])
+        _keep(target, r, start, tokens, tapped, list(range(tokens.numel())))
+        r.prefilled += tokens.numel()
+        if r.prefilled == r.prompt_ids.numel():
+            r.bonus = int(r.sampler(target.lm_head(hidden[-1:]), [r.prompt_ids.numel()])[0])
+            if r.policy is not None:
+                r.policy.start_request()
+            r.emit([r.bonus])
+            r.decode_start = r.decode_start or time.perf_counter()
+        return
+    proposal, tree = None, DraftTree.empty(target.device)
+    if r.proposer is not None and (r.policy is None or r.policy.speculate()):
+        (proposal,) = type(r.proposer).propose_batch([r.proposer], [r.bonus], [r.position])
+        if not r.drafted:
+            r.drafted, r.decode_start = True, time.perf_counter()
+    if r.proposer is None or proposal is not None:
+        budget = r.policy.round_budget(r.builder.settings.build_budget) if r.policy is not None else None
+        (tree,) = build_trees([r.builder], [proposal], getattr(r.proposer, "head", None), [budget])
+        if r.policy is not None:
+            (tree,) = cut_batch([(r.policy, tree)], 1, 1.0, 0)
+    tokens, depths = tree.rows(r.bonus)
+    ((hidden, tapped),) = target.forward_parts([Part(r.slot, tokens, depths, ancestor_matrix(tree))])
+    after = (r.position + 1 + depths).tolist()
+    accepted, bonus = verify_walk(tree, lambda rows: r.sampler(target.lm_head(hidden[rows]), [after[i] for i in rows]).tolist())
+    _keep(target, r, start, tokens, tapped, accepted)
+    if r.policy is not None:
+        r.policy.observe(tree, accepted)
+    r.stats.acceptance_lengths.append(len(accepted))
+    r.stats.tree_sizes.append(len(tree))
+    r.stats.drafted.append(proposal is not None)
+    r.bonus = bonus
+    r.emit(tokens[accepted[1:]].tolist() + [bonus])
+
+
+def _keep(target: Target, r: Request, start: int, tokens: torch.Tensor, tapped: torch.Tensor | None, rows: list[int]) -> None:
+    keep = torch.tensor(rows, dtype=torch.long, device=tokens.device)
+    target.keep(r.slot, start, keep)
+    if r.proposer is not None:
+        r.proposer.observe(tokens[keep], None if tapped is None else tapped.index_select(0, keep.to(tapped.device)))
+
+
+def run_reference(target: Target, request: Request) -> Request:
+    """``run_alone`` on ``reference_round``: one request to its end in slot 0."""
+    target.reserve_slots(1)
+    request.slot = 0
+    target.reset_slot(0)
+    if request.proposer is not None:
+        request.proposer.reset()
+    if request.max_new_tokens < 1:
+        request.finish(FINISH_LENGTH)
+    while not request.finished:
+        reference_round(target, request)
     return request

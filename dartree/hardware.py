@@ -87,7 +87,7 @@ def set_threads(threads: int | None) -> int:
     """Use ``threads`` CPU threads for torch; returns the count in use. ``None`` keeps a count chosen
     earlier in the process (the command line chooses once, before anything loads), else takes
     $OMP_NUM_THREADS when set, else the physical cores: torch's own default counts every logical CPU
-    it sees, which on a busy or SMT machine made a decoding step ~10x slower."""
+    it sees, which on a busy or SMT machine can make a decoding step ~10x slower."""
     global _threads_chosen
     if threads is None:
         if _threads_chosen is not None:
@@ -104,12 +104,11 @@ def set_threads(threads: int | None) -> int:
 def hand_over_threads() -> bool:
     """Free the calling thread's OpenMP worker threads, before another thread does the computing.
 
-    OpenMP keeps one pool of workers per thread that ran a parallel region; a second pool (the
-    server's engine thread after the main thread loaded and measured the model) made that thread's
-    steps 8-17 % slower than the same steps on the main thread (decode tok/s 31-35 against 37-40,
-    one process, 2 threads), and with OMP_WAIT_POLICY=active about 2x slower; after this call it
-    ran within noise of the main thread. Returns whether the OpenMP runtime did it (False where
-    torch's runtime is not libgomp or lacks omp_pause_resource_all)."""
+    OpenMP keeps one pool of workers per thread that ran a parallel region; with a second pool (the
+    server's engine thread after the main thread loaded and measured the model) that thread's steps
+    run up to ~17 % slower than on the main thread (about 2x with OMP_WAIT_POLICY=active), and after
+    this call they do not. Returns whether the OpenMP runtime did it (False where torch's runtime is
+    not libgomp or lacks omp_pause_resource_all)."""
     import ctypes
     import glob
 

@@ -5,8 +5,8 @@ Both heads sit behind one small interface so that no tree builder knows which on
 - ``initial_state(bonus)``: the state of the root (the path holding only the bonus token);
 - ``advance(states, tokens)``: the states of a batch of paths, each extended by one token (draft ids:
   with a reduced draft vocabulary the head maps them to target ids itself);
-- ``logits(round, slot, states, candidates)``: corrected logits of candidate tokens at one block
-  slot, for a batch of path states.
+- ``logits(round, depth, states, candidates)``: corrected logits of candidate tokens at one depth
+  index (0-based: index d drafts the token at tree depth d + 1), for a batch of path states.
 
 A "round" object (``start_round``) holds what every call of one round shares (the drafter states
 and their base logits, plus per-head precomputation).
@@ -15,15 +15,9 @@ and their base logits, plus per-head precomputation).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-if TYPE_CHECKING:
-    from .drafter import DrafterConfig
-
 
 def to_target_ids(d2t: torch.Tensor | None, draft_ids: torch.Tensor) -> torch.Tensor:
     """Target ids of draft ids under a reduced draft vocabulary (target id = draft id + d2t[draft id]);
@@ -39,7 +33,7 @@ class HeadRound:
 
 
 class CorrectionHead(nn.Module):
-    uncorrected_slots: int = 0
+    uncorrected_depths: int = 0
 
     def __init__(self):
         super().__init__()
@@ -65,44 +59,44 @@ class CorrectionHead(nn.Module):
         """States of paths extended by one token: child i extends states[rows[i]] (rows None: row i)."""
         raise NotImplementedError
 
-    def delta(self, rnd: HeadRound, slot: int, states: torch.Tensor, out_rows: torch.Tensor) -> torch.Tensor:
+    def delta(self, rnd: HeadRound, depth: int, states: torch.Tensor, out_rows: torch.Tensor) -> torch.Tensor:
         """Correction [N, C] given the output-projection rows [C, R] of the candidates."""
         raise NotImplementedError
 
     def output_rows(self, candidates: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
-    def logits(self, rnd: HeadRound, slot: int, states: torch.Tensor, candidates: torch.Tensor | None = None) -> torch.Tensor:
-        """Corrected logits [N, C] at block slot ``slot`` (depth slot+1); candidates None = full vocabulary."""
-        base = rnd.base_logits[slot]
+    def logits(self, rnd: HeadRound, depth: int, states: torch.Tensor, candidates: torch.Tensor | None = None) -> torch.Tensor:
+        """Corrected logits [N, C] at depth index ``depth`` (tree depth depth + 1); candidates None = full vocabulary."""
+        base = rnd.base_logits[depth]
         if candidates is not None:
             base = base[candidates]
-        if slot < self.uncorrected_slots:
+        if depth < self.uncorrected_depths:
             return base.expand(states.shape[0], -1)
-        return base + self.delta(rnd, slot, states, self.output_rows(candidates))
+        return base + self.delta(rnd, depth, states, self.output_rows(candidates))
 
-    def logits_batch(self, rounds: list[HeadRound], slot: int, states: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    def logits_batch(self, rounds: list[HeadRound], depth: int, states: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
         """``logits`` for the branches of many requests at once: request i owns the i-th of
         ``len(rounds)`` equal groups of rows of ``states`` and has candidates ``candidates[i]``
         ([R, C]). The products over the states run once for all; returns [N, C]."""
         per = states.shape[0] // len(rounds)
-        base = torch.stack([r.base_logits[slot] for r in rounds]).gather(1, candidates)  # [R, C]
+        base = torch.stack([r.base_logits[depth] for r in rounds]).gather(1, candidates)  # [R, C]
         base = base.repeat_interleave(per, dim=0)
-        if slot < self.uncorrected_slots:
+        if depth < self.uncorrected_depths:
             return base
-        return base + self.delta_batch(rounds, slot, states, candidates)
+        return base + self.delta_batch(rounds, depth, states, candidates)
 
-    def delta_batch(self, rounds: list[HeadRound], slot: int, states: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    def delta_batch(self, rounds: list[HeadRound], depth: int, states: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
         per = states.shape[0] // len(rounds)
-        return torch.cat([self.delta(r, slot, states[i * per:(i + 1) * per], self.output_rows(candidates[i]))
+        return torch.cat([self.delta(r, depth, states[i * per:(i + 1) * per], self.output_rows(candidates[i]))
                           for i, r in enumerate(rounds)])
 
     # ------------------------------------------------------------- training (teacher forcing)
     def block_logits(self, hidden: torch.Tensor, base_logits: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
         """Teacher-forced corrected logits for whole blocks.
 
-        hidden [N, Q, H], base_logits [N, Q, V], prev_tokens [N, Q]: the tokens (target ids) each slot conditions on
-        (slot k has seen prev_tokens[:, :k+1]). Returns [N, Q, V].
+        hidden [N, Q, H], base_logits [N, Q, V], prev_tokens [N, Q]: the tokens (target ids) each block position conditions on
+        (position k has seen prev_tokens[:, :k+1]). Returns [N, Q, V].
         """
         raise NotImplementedError
 
@@ -117,7 +111,7 @@ class DominoHead(CorrectionHead):
             nn.Linear(hidden_size + gru_hidden, rank, bias=False), nn.SiLU(), nn.Linear(rank, vocab_size, bias=False)
         )
         self.hidden_size = hidden_size
-        self.uncorrected_slots = pure_prefix
+        self.uncorrected_depths = pure_prefix
 
     def start_round(self, hidden, base_logits):
         w1 = self.embed_proj[0].weight
@@ -160,23 +154,23 @@ class DominoHead(CorrectionHead):
         w2 = self.embed_proj[2].weight
         return w2 if candidates is None else w2[candidates]
 
-    def delta(self, rnd, slot, states, out_rows):
+    def delta(self, rnd, depth, states, out_rows):
         w_s = self.embed_proj[0].weight[:, self.hidden_size :]
-        return F.silu(rnd.hidden_proj[slot] + states @ w_s.T) @ out_rows.T
+        return F.silu(rnd.hidden_proj[depth] + states @ w_s.T) @ out_rows.T
 
-    def delta_batch(self, rounds, slot, states, candidates):
+    def delta_batch(self, rounds, depth, states, candidates):
         # the state projection for every request's branches in one product, then each request's
         # candidates' output rows: [R, per, rank] x [R, rank, C]
         w_s = self.embed_proj[0].weight[:, self.hidden_size :]
         per = states.shape[0] // len(rounds)
-        hidden = torch.stack([r.hidden_proj[slot] for r in rounds])  # [R, rank]
+        hidden = torch.stack([r.hidden_proj[depth] for r in rounds])  # [R, rank]
         act = F.silu(hidden.repeat_interleave(per, dim=0) + states @ w_s.T).view(len(rounds), per, -1)
         return torch.bmm(act, self.output_rows(candidates).transpose(1, 2)).reshape(states.shape[0], -1)
 
     def block_logits(self, hidden, base_logits, prev_tokens):
         states, _ = self.prefix_gru(self._embed(prev_tokens))
         delta = self.embed_proj(torch.cat([hidden, states], dim=-1))
-        p = self.uncorrected_slots
+        p = self.uncorrected_depths
         return torch.cat([base_logits[:, :p], base_logits[:, p:] + delta[:, p:]], dim=1)
 
 
@@ -201,21 +195,13 @@ class MarkovHead(CorrectionHead):
         w2 = self.markov_w2.weight
         return w2 if candidates is None else w2[candidates]
 
-    def delta(self, rnd, slot, states, out_rows):
+    def delta(self, rnd, depth, states, out_rows):
         return states @ out_rows.T
 
-    def delta_batch(self, rounds, slot, states, candidates):
+    def delta_batch(self, rounds, depth, states, candidates):
         per = states.shape[0] // len(rounds)
         out = torch.bmm(states.view(len(rounds), per, -1), self.output_rows(candidates).transpose(1, 2))
         return out.reshape(states.shape[0], -1)
 
     def block_logits(self, hidden, base_logits, prev_tokens):
         return base_logits + self.markov_w2(self.markov_w1(prev_tokens))
-
-
-def build_head(cfg: "DrafterConfig") -> CorrectionHead | None:
-    if cfg.projector_type == "domino":
-        return DominoHead(cfg.hidden_size, cfg.gru_hidden_dim, cfg.emb_dim, cfg.output_vocab_size, cfg.pure_draft_prefix_len)
-    if cfg.projector_type == "markov":
-        return MarkovHead(cfg.vocab_size, cfg.markov_rank, cfg.output_vocab_size)
-    return None

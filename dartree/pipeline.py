@@ -11,15 +11,15 @@ from .budget import BudgetPolicy
 from .calibration import load_or_measure
 from .costmodel import CostModel, MeasuredCostModel
 from .default_model import default_drafter_dir, default_target_dir
-from .drafter import DrafterModel, DraftProposer
+from .drafter import DrafterModel
 from .engine import Engine, GenerationStats, Request, run_alone
 from .errors import DartreeError, require
 from .hardware import set_threads
-from .lean import LeanTarget, unsupported_reason
 from .loading import check_pair, cpu_products, load_drafter, load_target, load_tokenizer, parse_dtype, resolve_device
 from .prompts import chat_token_ids
 from .settings import GenerationSettings
-from .target import TargetAdapter, check_context_length
+from .proposers import Proposer, make_proposer
+from .targets import check_context_length, make_target
 from .trees import available_methods
 
 
@@ -33,27 +33,12 @@ class GenerationResult:
         return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.to_dict()}
 
 
-def make_target_adapter(model, tapped_layers, lean: bool | str = "auto", lean_products: str = "exact"):
-    """The lean forward for the families it implements (``lean="auto"``, the default), else the
-    Hugging Face forward; ``lean=True`` insists (a clear error where it cannot run), ``False`` refuses.
-    ``lean_products``: how the lean forward multiplies (``lean.PRODUCTS``; anything but "exact" insists
-    on the lean forward)."""
-    if lean not in ("auto", True, False):
-        raise DartreeError(f"lean must be 'auto', True or False, got {lean!r}")
-    reason = unsupported_reason(model) if lean is not False else "lean=False"
-    if reason is None:
-        return LeanTarget(model, tapped_layers, products=lean_products)
-    if lean is True or lean_products != "exact":
-        asked = "lean=True" if lean is True else f"lean_products={lean_products!r}"
-        raise DartreeError(f"{asked}, but the lean forward cannot run this target: {reason}")
-    return TargetAdapter(model, tapped_layers)
-
-
 class Pipeline:
     """A target, an optional drafter (with its correction head) and a tokenizer, ready to generate.
 
-    ``target_model`` is the Hugging Face model; ``target`` the adapter every round drives (its lean
-    forward, or the Hugging Face one); ``proposer`` runs the drafter, ``head`` corrects its drafts.
+    ``target_model`` is the Hugging Face model; ``target`` what every round drives (``targets.make_target``:
+    its lean forward, or the Hugging Face one); ``proposer`` runs the drafter for a request alone
+    (``generate``), ``head`` (the drafter's) corrects its drafts.
 
     ``cost_model``: what budget "auto" weighs each round with. "auto" (default): this machine's,
     measured from the target, drafter and head once and cached (``calibration.load_or_measure``;
@@ -72,16 +57,16 @@ class Pipeline:
         self.tokenizer = tokenizer
         if drafter is not None:
             check_pair(target_model, drafter)
-        self.target = make_target_adapter(target_model, drafter.config.target_layer_ids if drafter else (), lean, lean_products)
+        self.target = make_target(target_model, drafter.config.target_layer_ids if drafter else (), lean, lean_products)
         self.proposer = None
         self.head = None
         self._cost_model: CostModel | None = None
         self._policies: dict[tuple, BudgetPolicy] = {}
         if drafter is not None:
-            self.proposer = DraftProposer(drafter, self.target.embed_tokens, self.target.lm_head)
             self.head = drafter.head
             if self.head is not None:
                 self.head.bind(self.target.embed_tokens, drafter.d2t)
+            self.proposer = make_proposer("drafter", self)
         if cost_model == "auto":
             if drafter is not None:
                 self.calibrate()
@@ -139,9 +124,10 @@ class Pipeline:
             policy = self.budget_policy(settings)
             if not alone:
                 policy = policy.fork()
-        proposer = None
-        if builder.uses_drafter:
-            proposer = self.proposer if alone else DraftProposer(self.drafter, self.target.embed_tokens, self.target.lm_head)
+        proposer: Proposer | None = None
+        if builder.proposer is not None:
+            shared = self.proposer if builder.proposer == "drafter" else None
+            proposer = shared if alone and shared is not None else make_proposer(builder.proposer, self)
         stop = set(stop_token_ids) if stop_token_ids is not None else self.default_stop_ids()
         return Request(ids, builder, settings.sampler(self.device), settings.max_new_tokens, stop, policy=policy,
                        proposer=proposer, on_tokens=on_tokens, cancelled=cancelled)
@@ -152,7 +138,7 @@ class Pipeline:
         "auto" weighs the cost model scaled by what the engine's rounds measure
         (``costmodel.MeasuredCostModel``; the server's choice), not the calibration alone."""
         costs = MeasuredCostModel.following(self._cost_model) if measured_costs and self._cost_model is not None else None
-        return Engine(self.target, self.head, max_batch, costs=costs)
+        return Engine(self.target, max_batch, costs=costs)
 
     @property
     def device(self) -> torch.device:
@@ -214,27 +200,30 @@ class Pipeline:
         seed: int | None = None,
         budget: int | None = None,
         width: int | None = None,
-        top_k: int | None = None,
+        tree_top_k: int | None = None,
         beta: float | None = None,
         max_budget: int | None = None,
-        sampling_top_k: int | None = None,
+        top_k: int | None = None,
         top_p: float | None = None,
         stop_token_ids: list[int] | None = None,
         streamer=None,
+        **retired,
     ) -> GenerationResult:
         """Generate with one method.
 
         ``settings`` (a ``GenerationSettings``, default: the defaults) holds the method, tree and
-        sampling settings; any keyword given here replaces its field (None keeps it). ``top_k`` is
-        DARTree's K (candidates per depth); sampling uses ``sampling_top_k`` / ``top_p`` on the
-        target's distribution (temperature > 0 only).
+        sampling settings; any keyword given here replaces its field (None keeps it). ``tree_top_k`` is
+        DARTree's K (candidates per depth); ``top_k`` / ``top_p`` restrict sampling of the target's
+        distribution (temperature > 0 only), as in Hugging Face. ``top_k`` was DARTree's K before it
+        became ``tree_top_k``; a retired spelling (``sampling_top_k=``) or any other unknown keyword is
+        a ``DartreeError`` that names the setting to use.
 
         ``streamer``: a Hugging Face-style streamer (``put(tensor)``, ``end()``), e.g.
         ``transformers.TextStreamer(pipe.tokenizer, skip_prompt=True)``. As in HF ``generate`` it gets
         the prompt first, then each round's verified tokens as soon as the round ends."""
         settings = GenerationSettings.from_kwargs(
             settings, method=method, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, budget=budget,
-            width=width, top_k=top_k, beta=beta, max_budget=max_budget, sampling_top_k=sampling_top_k, top_p=top_p,
+            width=width, tree_top_k=tree_top_k, beta=beta, max_budget=max_budget, top_k=top_k, top_p=top_p, **retired,
         ).validate()
         ids = self.encode(prompt, messages, input_ids)
         self.check_request(ids, settings)
@@ -246,7 +235,7 @@ class Pipeline:
                     "streamer must have put(tensor) and end() methods, like transformers.TextStreamer")
             streamer.put(ids[None].cpu())
             on_tokens = lambda new: streamer.put(torch.tensor(new))  # noqa: E731
-        request = run_alone(self.target, self.request(ids, settings, stop_token_ids, on_tokens), self.head)
+        request = run_alone(self.target, self.request(ids, settings, stop_token_ids, on_tokens))
         tokens, stats = request.output, request.stats
         if streamer is not None:
             streamer.end()

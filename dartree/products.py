@@ -2,9 +2,9 @@
 and weight-first products over a few rows where oneDNN is not there.
 
 Loading (``loading.load_target``, ``pipeline.load``) turns a target's and a drafter's Linears into
-``CpuLinear``. (The correction heads' own products, over a few cache-resident rows, measured the
-same packed or not: a dartree build 0.74 / 1.08 / 2.60 ms at B = 8 / 16 / 64 either way.)
-Measurements are in the docstrings and in docs/results/fast-on-this-machine.
+``CpuLinear``. The correction heads' own products, over a few cache-resident rows, are left as they
+are: packing does not make them faster. The measurements behind these choices are in
+docs/experiments.md ("Notes that used to live in the code") and docs/results/fast-on-this-machine.
 """
 
 from __future__ import annotations
@@ -47,22 +47,20 @@ def onednn_packing_available() -> bool:
 class CpuLinear(nn.Linear):
     """``nn.Linear`` for inference on a CPU in fp32/fp64: the products that speculation needs fast.
 
-    torch hands fp32 products to MKL, which on AMD CPUs runs them far below what the memory allows:
-    one row of the SmolLM2-135M layers (30 x 7 matrices, one thread, Zen 5) took 25.4 ms, 17 rows
-    63.8 ms. oneDNN on weights packed once for it takes 13.8 ms and 26.3 ms (x1.8 and x2.4; the
-    output layer 6.8 -> 2.8 ms for one row), and with two threads it scales where MKL did not
-    (9.4 ms against 25.5 for one row). So fp32 products run on packed weights (a second copy of the
-    weights, made on the first product and made again when they change in place or are replaced);
+    torch hands fp32 products to MKL, which on AMD CPUs runs them far below what the memory allows;
+    oneDNN on weights packed once for it runs SmolLM2-135M's layers 1.8x (one row) to 2.4x (17 rows)
+    faster on one thread, and scales with a second thread where MKL does not. So fp32 products run
+    on packed weights (a second copy of the weights, made on the first product and made again when
+    they change in place or are replaced);
     the dense ``weight`` stays the parameter (state dict, tied embedding, training). While autograd
     records, or in other dtypes, the product is ``F.linear``.
 
     Without oneDNN (or in fp64, which it lacks) products over up to ``FEW_ROWS`` rows run
     weight-first, ``W @ x.T``: MKL computes ``F.linear`` over 2-5 rows as one pass over the weights
-    per row, ``W @ x.T`` reads them once (Zen 4, whole forward: 2 rows 64.8 -> 48.7 ms, 4 rows
-    81.7 -> 67.2). One row runs as two and three as four, rows repeated and dropped after: MKL's
-    one- and three-column products are slower than its two- and four-column ones (Zen 5, the
-    layers over 3 rows: 25.4 -> 22.3 ms). All paths give ``F.linear``'s values up to the order of
-    the sums."""
+    per row, ``W @ x.T`` reads them once (a whole forward over 2 rows about a quarter faster). One
+    row runs as two and three as four, rows repeated and dropped after: MKL's one- and three-column
+    products are slower than its two- and four-column ones. All paths give ``F.linear``'s values up
+    to the order of the sums."""
 
     pack_weights = False  # set per module by ``cpu_products``
     lean_products = False  # set per module by ``cpu_products``: the lean kernels' product up to LEAN_MAX_ROWS rows
@@ -132,8 +130,8 @@ def cpu_products(model: torch.nn.Module, pack: bool | None = None, lean: bool = 
     by default when oneDNN is there and the packed copy fits in ``PACKED_SHARE_OF_MEMORY`` of this
     machine's memory. ``lean``: products over up to ``LEAN_MAX_ROWS`` rows run on the lean kernels
     (where they are built), which read the weights near the memory's speed where oneDNN does not:
-    the drafter's products over a draft block's rows (one drafter call of the default drafter, 18
-    rows, 2 threads, Xeon with AVX-512: 6.2 -> 5.0 ms; 8 requests in one call, over 64 rows, unchanged)."""
+    the drafter's products over a draft block's rows (a call of the default drafter, 18 rows, about
+    a fifth faster; over 64 rows, 8 requests in one call, the same)."""
     first = next(model.parameters(), None)
     if first is None or first.device.type != "cpu" or first.dtype not in (torch.float32, torch.float64):
         return

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 from .errors import DartreeError
 from .trees import BUILDERS, TreeBuilder, TreeSettings, builder_class
+from .trees.base import check_retired, refuse_retired
 from .verify import Sampler
 
 DEFAULT_METHOD = "dartree"
@@ -33,6 +34,7 @@ def _setting(default, help: str, flags: tuple[str, ...], request: str, parse, *,
         "low_open": low_open, "off": off, "aliases": aliases, "choices": choices, "dartree_only": dartree_only})
 
 
+@refuse_retired(sampling_top_k="top_k")
 @dataclass(frozen=True)
 class GenerationSettings:
     method: str = _setting(DEFAULT_METHOD, "decoding method", ("--method", "-m"), "method", str,
@@ -42,9 +44,9 @@ class GenerationSettings:
     temperature: float = _setting(0.0, "0 = greedy; > 0 samples from the target's distribution", ("--temperature", "-t"),
                                   "temperature", float, low=0, high=2)
     seed: int | None = _setting(0, "seed of the request's own sampler (temperature > 0)", ("--seed",), "seed", int)
-    # top-k of the target's distribution: a request's "top_k", as in vLLM (DARTree's K is "tree_top_k")
-    sampling_top_k: int | None = _setting(None, "top-k sampling on the target (temperature > 0)", ("--sampling-top-k",),
-                                          "top_k", int, low=-1, off=(-1, 0))
+    # top-k of the target's distribution, as in Hugging Face and vLLM (DARTree's K is the tree's "tree_top_k")
+    top_k: int | None = _setting(None, "top-k sampling on the target (temperature > 0)", ("--top-k",), "top_k", int,
+                                 low=-1, off=(-1, 0))
     top_p: float | None = _setting(None, "nucleus sampling on the target (temperature > 0)", ("--top-p",), "top_p", float,
                                    low=0, high=1, low_open=True, off=(1,))
     tree: TreeSettings = field(default_factory=TreeSettings)
@@ -58,10 +60,12 @@ class GenerationSettings:
     @classmethod
     def from_kwargs(cls, base: "GenerationSettings | None" = None, **kwargs) -> "GenerationSettings":
         """``base`` (default: the defaults) with any of its own fields or the tree's fields replaced;
-        None values keep the base's. Unknown names are an error."""
+        None values keep the base's. Unknown names are an error; a retired spelling (``sampling_top_k``)
+        one that names the new spelling."""
         base = base or cls()
         own = {f.name for f in cls.declarations()}
         tree_names = set(TreeSettings.__dataclass_fields__)
+        check_retired(cls.__name__, cls.retired, kwargs)
         unknown = set(kwargs) - own - tree_names
         if unknown:
             raise DartreeError(f"unknown generation setting(s) {', '.join(sorted(unknown))}; "
@@ -76,7 +80,7 @@ class GenerationSettings:
             raise DartreeError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise DartreeError(f"seed must be an integer or None, got {self.seed!r}")
-        Sampler.check(self.temperature, self.sampling_top_k, self.top_p)
+        Sampler.check(self.temperature, self.top_k, self.top_p)
         self.tree.validate()
         return self
 
@@ -84,7 +88,7 @@ class GenerationSettings:
         return BUILDERS[self.method](self.tree)
 
     def sampler(self, device="cpu") -> Sampler:
-        return Sampler(self.temperature, self.sampling_top_k, self.top_p, self.seed, device=device)
+        return Sampler(self.temperature, self.top_k, self.top_p, self.seed, device=device)
 
     def used_tree_settings(self) -> dict:
         """The tree settings this method actually reads (what a record needs to be reproduced)."""

@@ -139,7 +139,7 @@ class Sampler:
         if isinstance(temperature, bool) or not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
             raise DartreeError(f"temperature must be a finite number >= 0, got {temperature!r}")
         if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-            raise DartreeError(f"sampling_top_k must be a positive integer or None, got {top_k!r}")
+            raise DartreeError(f"top_k (sampling top-k) must be a positive integer or None, got {top_k!r}")
         if top_p is not None and (isinstance(top_p, bool) or not (isinstance(top_p, (int, float)) and 0 < top_p <= 1)):
             raise DartreeError(f"top_p must be in (0, 1], got {top_p!r}")
 

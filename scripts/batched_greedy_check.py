@@ -19,8 +19,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import dartree  # noqa: E402
-from dartree.bench.records import GreedyAnswers  # noqa: E402
-from dartree.bench.replay import enough_greedy  # noqa: E402
+from dartree.greedy import GreedyAnswers  # noqa: E402
+from dartree.replay import enough_greedy  # noqa: E402
 from dartree.hardware import describe_machine  # noqa: E402
 from dartree.train.drafter import heldout_prompts  # noqa: E402
 

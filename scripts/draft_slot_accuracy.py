@@ -16,7 +16,8 @@ import torch
 
 import dartree
 from dartree.bench.datasets import load_samples, select
-from dartree.bench.replay import greedy_continuation
+from dartree.replay import greedy_continuation
+from dartree.targets import prefill
 
 
 def main() -> None:
@@ -31,7 +32,7 @@ def main() -> None:
         ids = pipe.encode(messages=[{"role": "user", "content": sample.turns[0]}])
         y = greedy_continuation(pipe, ids, args.positions + pipe.proposer.num_depths + 2)
         pipe.target.capture = True
-        _, features = pipe.target.prefill(torch.cat([ids, torch.tensor(y)]))
+        _, features = prefill(pipe.target, torch.cat([ids, torch.tensor(y)]))
         pipe.proposer.reset()
         start = ids.numel()
         cached = 0

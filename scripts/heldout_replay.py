@@ -27,8 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import dartree  # noqa: E402
+from dartree.bench.heldout import heldout_replay_items  # noqa: E402
 from dartree.hardware import describe_machine  # noqa: E402
-from dartree.train.drafter import heldout_replay_items, replay_tau_by_category  # noqa: E402
+from dartree.train.drafter import replay_tau_by_category  # noqa: E402
 from dartree.trees import TreeSettings, make_builder  # noqa: E402
 
 METHODS = {"dflash": ("dflash", TreeSettings()), "dartree B=16": ("dartree", TreeSettings(budget=16)),

@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import dartree  # noqa: E402
-from dartree.train.drafter import heldout_replay_items, replay_tau_by_category  # noqa: E402
+from dartree.bench.heldout import heldout_replay_items  # noqa: E402
+from dartree.train.drafter import replay_tau_by_category  # noqa: E402
 from dartree.trees import TreeSettings, make_builder  # noqa: E402
 
 

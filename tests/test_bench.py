@@ -130,7 +130,7 @@ def test_replay_records_equal_decoded_acceptance_lengths(tiny_pipe, tmp_path, mo
     def no_target_decoding(*args, **kwargs):
         raise AssertionError("greedy tokens should come from greedy.jsonl")
 
-    monkeypatch.setattr("dartree.bench.replay.greedy_continuation", no_target_decoding)
+    monkeypatch.setattr("dartree.replay.greedy_continuation", no_target_decoding)
     more = run_replay(tiny_pipe, samples, build_grid(["dartree"], [0.0], [5]), tmp_path / "replay" / "records.jsonl", 12)
     assert len(more) == len(replayed) + 4
     assert main(["bench", "--replay", "--temperatures", "0,1"]) == 2
@@ -156,6 +156,30 @@ def test_cli_report_and_errors(tiny_pipe, tmp_path, capsys):
     assert main(["bench", "--datasets", "nope"]) == 2
     assert "unknown dataset 'nope'" in capsys.readouterr().err
     assert main(["bench", "--betas", "0.3"]) == 2
+
+
+def test_records_written_before_tree_top_k_was_named_so_read_and_report_the_same(tiny_pipe, tmp_path, capsys):
+    """Bench records from before DARTree's K became ``tree_top_k`` carry it as ``top_k`` (the committed
+    records under docs/results): they read as the same configurations and rebuild the same report;
+    the bench's retired list flags name the new one."""
+    samples = select(load_samples("gsm8k"), 1)
+    grid = build_grid(["dartree"], [0.0], [4], tree_top_k=[8])
+    cfg = grid[-1]
+    assert cfg.tree_top_k == 8 and cfg.key == "dartree|T=0|B=4|W=12|K=8|beta=-0.2"
+    run(tiny_pipe, samples, grid, tmp_path / "new" / "records.jsonl", max_new_tokens=4)
+    records = read_records(tmp_path / "new" / "records.jsonl")
+    assert all("tree_top_k" in r and "top_k" not in r for r in records)
+    old = [{("top_k" if k == "tree_top_k" else k): v for k, v in r.items()} for r in records]
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in old))
+    assert [RunConfig.from_record(r) for r in old] == [RunConfig.from_record(r) for r in records]
+    assert RunConfig.from_record(old[-1]) == cfg
+    assert main(["bench", "--report", str(tmp_path / "old")]) == 0
+    assert (tmp_path / "old" / "report.md").read_text() == build_report(tmp_path / "new").read_text()
+    capsys.readouterr()
+    for flag in ("--top-ks", "--top-k"):
+        assert main(["bench", "--methods", "dartree", flag, "8"]) == 2
+        assert f"{flag} was renamed --tree-top-ks" in capsys.readouterr().err
 
 
 def test_two_concurrent_shards_write_the_same_records_as_one_run(tiny_dirs, tmp_path):

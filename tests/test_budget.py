@@ -45,9 +45,9 @@ def test_cost_model_interpolates_and_extrapolates():
 def test_a_cheap_verify_takes_a_large_budget_and_an_expensive_one_a_small_one():
     tree = ranked_tree([0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2] + [0.1] * 24)
     cheap = BudgetPolicy(synthetic_cost(10.0, 0.01))  # a GPU-like staircase: extra rows are nearly free
-    assert cheap.choose(tree).nodes == len(tree)
+    assert cheap.choose(tree).budget == len(tree)
     middling = BudgetPolicy(synthetic_cost(10.0, 2.0))
-    chosen = middling.choose(tree).nodes
+    chosen = middling.choose(tree).budget
     assert 1 <= chosen < 12
     # the choice is the global argmax of expected tokens per ms over every prefix
     rates = [(1 + sum([0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2][:b] + [0.1] * max(0, b - 8))) / (10.0 + 2.0 * b)
@@ -60,39 +60,39 @@ def test_the_build_covers_every_prefix_the_policy_chose_lately_and_grows_when_it
     of the recent drafted rounds (at least min_build), doubling while the choice reaches the limit;
     plain steps in between leave it as the drafted rounds set it."""
     policy = BudgetPolicy(synthetic_cost(10.0, 0.01), min_build=4)  # a cheap verify takes every node
-    assert policy.build_size(64) == 64
-    sizes = []
+    assert policy.round_budget(64) == 64
+    budgets = []
     for _ in range(6):
-        size = policy.build_size(64)
-        sizes.append(size)
-        policy.cut(ranked_tree([0.9] * size))  # chooses the whole tree it was given
-    assert sizes == [64, 64, 64, 64, 64, 64]
+        budget = policy.round_budget(64)
+        budgets.append(budget)
+        policy.cut(ranked_tree([0.9] * budget))  # chooses the whole tree it was given
+    assert budgets == [64, 64, 64, 64, 64, 64]
     policy = BudgetPolicy(synthetic_cost(10.0, 2.0), min_build=4)  # takes 3 of these nodes
     tree = ranked_tree([0.9, 0.8, 0.5, 0.1, 0.05, 0.01] * 2)
     policy.cut(tree)
-    assert policy.history == [3] and policy.build_size(64) == 6 and policy.build_size(5) == 5
+    assert policy.history == [3] and policy.round_budget(64) == 6 and policy.round_budget(5) == 5
     policy.history += [-1] * 3 * policy.recent_rounds  # plain steps since
-    assert policy.build_size(64) == 6
+    assert policy.round_budget(64) == 6
     policy.history += [0] * policy.recent_rounds  # drafted rounds that verified the root alone
-    assert policy.build_size(64) == 4
+    assert policy.round_budget(64) == 4
     grow = BudgetPolicy(synthetic_cost(10.0, 0.01), min_build=4)
     grow.history = [4]
-    assert grow.build_size(64) == 8
+    assert grow.round_budget(64) == 8
     grow.cut(ranked_tree([0.9] * 8))
-    assert grow.build_size(64) == 16
+    assert grow.round_budget(64) == 16
 
 
 def test_an_expensive_verify_or_a_hopeless_draft_takes_plain_steps():
     tree = ranked_tree([0.9, 0.8, 0.7])
-    assert BudgetPolicy(synthetic_cost(10.0, 20.0)).choose(tree).nodes == 0
-    assert BudgetPolicy(synthetic_cost(10.0, 0.5)).choose(ranked_tree([0.01, 0.001])).nodes == 0
+    assert BudgetPolicy(synthetic_cost(10.0, 20.0)).choose(tree).budget == 0
+    assert BudgetPolicy(synthetic_cost(10.0, 0.5)).choose(ranked_tree([0.01, 0.001])).budget == 0
 
 
 def test_a_drawn_tree_is_used_but_a_costly_drafter_stops_the_drafting():
     # The round's draft is already paid: with a cheap verify its tree is worth verifying ...
     policy = BudgetPolicy(synthetic_cost(10.0, 0.1, draft_ms=30.0), probe_every=5)
     tree = ranked_tree([0.9, 0.8, 0.7])
-    assert policy.choose(tree).nodes == 3
+    assert policy.choose(tree).budget == 3
     # ... but a whole round (30 ms of drafting + ~10 ms of verify for 3.4 tokens) loses to plain steps
     # (3.4 tokens in 40 ms against 4 in 40 ms), so the next rounds do not draft.
     assert len(policy.cut(tree)) == 3
@@ -146,8 +146,8 @@ def test_every_prefix_of_a_ranked_tree_is_the_tree_of_that_budget(seed, budget, 
     """dartree's ranking is its deferred top-B order: the best b nodes of the B=48 tree are exactly
     the tree it builds with budget b. The heaps' pop order has the same property."""
     draft, head = random_draft(seed)
-    big = make_builder(method, TreeSettings(budget=48, width=6, top_k=8)).build(draft, head, 48)
-    small = make_builder(method, TreeSettings(budget=budget, width=6, top_k=8)).build(draft, head, budget)
+    big = make_builder(method, TreeSettings(budget=48, width=6, tree_top_k=8)).build(draft, head, 48)
+    small = make_builder(method, TreeSettings(budget=budget, width=6, tree_top_k=8)).build(draft, head, budget)
     cut = big.prefix(budget)
     assert cut.paths() == small.paths()
     parents = cut.parents.tolist()
@@ -261,14 +261,14 @@ def test_one_budget_across_a_batch_speculates_less_as_rows_stop_being_free():
     per_request = []
     for k in (1, 2, 4, 8, 16):
         choices = choose_batch([(BudgetPolicy(cost), t) for t in trees[:k]], k, float(k))
-        assert max(c.nodes for c in choices) - min(c.nodes for c in choices) <= 1  # equal trees share alike
-        per_request.append(sum(c.nodes for c in choices) / k)
+        assert max(c.budget for c in choices) - min(c.budget for c in choices) <= 1  # equal trees share alike
+        per_request.append(sum(c.budget for c in choices) / k)
     assert per_request[0] == 8 and per_request == sorted(per_request, reverse=True) and per_request[-1] == 0
     # Unequal requests: the more likely nodes win the rows.
     good, poor = ranked_tree([0.95, 0.9, 0.85, 0.8]), ranked_tree([0.2, 0.1, 0.05, 0.01])
     items = [(BudgetPolicy(cost), good)] + [(BudgetPolicy(cost), poor)] + [(BudgetPolicy(cost), ranked_tree([0.9] * 4)) for _ in range(6)]
     chosen = choose_batch(items, 8, 8.0)
-    assert chosen[0].nodes >= chosen[1].nodes and chosen[1].nodes == 0
+    assert chosen[0].budget >= chosen[1].budget and chosen[1].budget == 0
 
 
 def test_a_forked_policy_has_its_own_state_and_hands_its_calibration_back():

@@ -58,7 +58,7 @@ def test_errors_are_one_clear_line(model_dirs, capsys):
 def test_bench_tree_prints_the_ratio(tmp_path, capsys):
     out = tmp_path / "bt.md"
     rc = main(["bench-tree", "--sizes", "32x500", "--heads", "domino,markov", "--rounds", "2", "--gru", "16",
-               "--rank", "8", "--budget", "8", "--width", "4", "--top-k", "8", "--out", str(out)])
+               "--rank", "8", "--budget", "8", "--width", "4", "--tree-top-k", "8", "--out", str(out)])
     assert rc == 0
     text = capsys.readouterr().out
     assert "heap / dartree" in text and text.count("| 32 | 500 |") == 2 and "| yes |" in text
@@ -93,6 +93,29 @@ def test_bad_settings_are_rejected_before_any_model_loads(argv, message, monkeyp
     monkeypatch.setattr("dartree.pipeline.load_target", no_loading)
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "hi", "--sampling-top-k", "5"], "--sampling-top-k was renamed --top-k"),
+    (["serve", "--sampling-top-k=5"], "--sampling-top-k was renamed --top-k"),
+    (["bench-tree", "--top-k", "8"], "--top-k was renamed --tree-top-k (DARTree's K"),
+])
+def test_retired_flags_are_an_error_that_names_the_new_flag(argv, message, capsys):
+    """``--sampling-top-k`` became ``--top-k`` (sampling top-k, as in Hugging Face and vLLM) and DARTree's
+    K, once ``--top-k``, became ``--tree-top-k``: a retired flag is one line naming the new one, and
+    --help shows only the current ones."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err
+
+
+def test_generate_help_says_which_top_k_is_which(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--top-k TOP_K top-k sampling on the target" in text
+    assert "--tree-top-k TREE_TOP_K, -K TREE_TOP_K DARTree's K: candidate tokens per depth" in text
+    assert "--sampling-top-k" not in text
 
 
 def test_a_commands_threads_are_set_once_and_loading_keeps_them(model_dirs, monkeypatch, capsys):
@@ -135,8 +158,8 @@ def test_every_generation_and_tree_setting_is_one_declaration_that_the_cli_the_a
     for command in (["generate", "hi"], ["serve"]):
         defaults = parser.parse_args(command)
         assert generation_settings(defaults) == GenerationSettings()
-        given = GenerationSettings(method="ddtree", max_new_tokens=7, temperature=0.5, seed=3, sampling_top_k=5, top_p=0.9,
-                                   tree=TreeSettings(budget=8, width=3, top_k=9, beta=-0.5, max_budget=32))
+        given = GenerationSettings(method="ddtree", max_new_tokens=7, temperature=0.5, seed=3, top_k=5, top_p=0.9,
+                                   tree=TreeSettings(budget=8, width=3, tree_top_k=9, beta=-0.5, max_budget=32))
         argv = list(command)
         for s in declared:
             value = getattr(given.tree if s.name in TreeSettings.__dataclass_fields__ else given, s.name)
@@ -156,10 +179,10 @@ def test_a_request_turns_off_what_the_servers_defaults_turn_on_as_in_vllm():
     from dartree.server.protocol import parse_request
     from dartree.settings import GenerationSettings
 
-    defaults = GenerationSettings(temperature=1.0, sampling_top_k=20, top_p=0.8, max_new_tokens=50)
+    defaults = GenerationSettings(temperature=1.0, top_k=20, top_p=0.8, max_new_tokens=50)
     chat = {"messages": [{"role": "user", "content": "x"}]}
     assert parse_request(chat, defaults, chat=True)[1] == defaults
     for off in ({"top_k": -1}, {"top_k": 0}):
-        assert parse_request({**chat, **off}, defaults, chat=True)[1].sampling_top_k is None
+        assert parse_request({**chat, **off}, defaults, chat=True)[1].top_k is None
     settings = parse_request({**chat, "top_p": 1, "max_tokens": 9, "max_completion_tokens": 4}, defaults, chat=True)[1]
-    assert settings.top_p is None and settings.sampling_top_k == 20 and settings.max_new_tokens == 4
+    assert settings.top_p is None and settings.top_k == 20 and settings.max_new_tokens == 4

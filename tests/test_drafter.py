@@ -6,7 +6,8 @@ import pytest
 import torch
 from tiny import make_tiny_drafter
 
-from dartree.drafter import DrafterConfig, DraftProposer, default_target_layer_ids
+from dartree.drafter import DrafterConfig, default_target_layer_ids
+from dartree.proposers import DraftProposer
 from dartree.loading import load_drafter, save_drafter
 
 
@@ -54,7 +55,7 @@ def test_label_convention_sets_the_number_of_depths(model_dirs, tmp_path, shift)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float64)
     proposer = DraftProposer(load_drafter(d, dtype=torch.float64), target.get_input_embeddings(), target.get_output_embeddings())
     feats = torch.randn(3, 2 * 32, dtype=torch.float64)
-    out = proposer.draft(bonus=1, new_features=feats, start=3)
+    out = proposer.draft(bonus=1, new_tapped_states=feats, start=3)
     assert out.hidden.shape[0] == out.base_logits.shape[0] == (6 if shift else 5)
 
 
@@ -117,7 +118,7 @@ def test_one_batched_draft_call_equals_each_request_drafted_alone(model_dirs, he
     """draft_batch pads the requests' new context rows and cached keys to the longest and masks the
     padding: each request's draft and its drafter cache afterwards equal its own call's."""
     import dartree
-    from dartree.drafter import draft_batch
+    from dartree.proposers import draft_batch
 
     pipe = dartree.load(model_dirs[("llama", "target")], model_dirs[("llama", head)], dtype="float64")
     width = len(pipe.drafter.config.target_layer_ids) * pipe.target_model.config.hidden_size

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import dartree
 from dartree.drafter import DrafterCache
 from dartree.engine import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP
-from dartree.lean import LeanTarget
+from dartree.targets import LeanTarget
 from dartree.settings import GenerationSettings
 from dartree.trees import available_methods
 
@@ -157,7 +157,7 @@ def test_a_forward_grows_the_store_for_the_widest_part_beside_a_nearly_full_slot
     """Rows see ``width`` new rows after their own slot's length: a one-row step in a nearly full slot
     beside a prompt chunk needs room for the chunk's width there too."""
     from dartree.engine import Part
-    from dartree.lean import KVStore
+    from dartree.targets.lean import KVStore
 
     target = LeanTarget(lean_pipe.target_model, lean_pipe.target.tapped_layers, weights=lean_pipe.target.weights)
     target.store = KVStore(target.weights, slots=2, capacity=16)

@@ -29,7 +29,7 @@ def test_positive_beta(pipe):
         pipe.generate(input_ids=[1], method="dartree", beta=0.5)
 
 
-@pytest.mark.parametrize("name", ["budget", "width", "top_k"])
+@pytest.mark.parametrize("name", ["budget", "width", "tree_top_k"])
 @pytest.mark.parametrize("value", [0, -3])
 def test_sizes_below_one(pipe, name, value):
     with pytest.raises(ValueError, match=rf"{name} must be an integer >= 1, got {value}"):
@@ -145,6 +145,30 @@ def test_unknown_dtype():
 def test_bad_sampling_settings(pipe):
     with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
         pipe.generate(input_ids=[1], temperature=1.0, top_p=1.5)
-    with pytest.raises(ValueError, match="sampling_top_k must be a positive integer"):
-        pipe.generate(input_ids=[1], temperature=1.0, sampling_top_k=0)
+    with pytest.raises(ValueError, match=r"top_k \(sampling top-k\) must be a positive integer"):
+        pipe.generate(input_ids=[1], temperature=1.0, top_k=0)
     assert math.isfinite(pipe.generate(input_ids=[1], temperature=1.0, top_p=0.9, max_new_tokens=3).stats.mean_acceptance)
+
+
+def test_retired_spellings_name_the_new_one(pipe):
+    """``sampling_top_k`` became ``top_k`` (sampling top-k, as in Hugging Face and vLLM) and DARTree's
+    K, once ``top_k``, became ``tree_top_k``: every retired spelling is a DartreeError naming the new one."""
+    from dartree import GenerationSettings, TreeSettings
+
+    renamed = r"'sampling_top_k' was renamed 'top_k'"
+    with pytest.raises(dartree.DartreeError, match=renamed):
+        pipe.generate(input_ids=[1], temperature=1.0, sampling_top_k=5)
+    with pytest.raises(dartree.DartreeError, match=renamed):
+        GenerationSettings(sampling_top_k=5)
+    with pytest.raises(dartree.DartreeError, match=renamed):
+        GenerationSettings.from_kwargs(sampling_top_k=5)
+    with pytest.raises(dartree.DartreeError, match=r"'top_k' was renamed 'tree_top_k'.*top_k is now sampling top-k"):
+        TreeSettings(top_k=8)
+    with pytest.raises(dartree.DartreeError, match=r"'top_k' was renamed 'tree_top_k'"):
+        GenerationSettings(tree=TreeSettings(top_k=8))
+    # top_k is sampling top-k now, and tree_top_k DARTree's K: each reaches its own setting
+    s = GenerationSettings.from_kwargs(top_k=5, tree_top_k=9)
+    assert s.top_k == 5 and s.tree.tree_top_k == 9 and s.sampler().top_k == 5
+    # an unknown keyword is an error too, with the known ones
+    with pytest.raises(dartree.DartreeError, match=r"unknown generation setting\(s\) tree_topk; known: .*tree_top_k"):
+        pipe.generate(input_ids=[1], tree_topk=5)

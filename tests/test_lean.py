@@ -10,9 +10,9 @@ from tiny import make_tiny_target
 
 import dartree
 from dartree import kernels
-from dartree.lean import KVStore, LeanTarget, LeanWeights, Rows, forward
 from dartree.loading import load_target
-from dartree.target import TargetAdapter
+from dartree.targets import HFTarget, LeanTarget, forward_tree, make_target, prefill
+from dartree.targets.lean import KVStore, LeanWeights, Rows, forward
 from dartree.trees import available_methods
 
 ext = kernels.load()
@@ -61,17 +61,17 @@ def test_logits_equal_hugging_face_within_tolerance(tmp_path, dtype):
     for family in ("llama", "qwen3"):
         model = load_target(make_tiny_target(tmp_path / family, family=family, vocab_size=64, hidden_size=64, num_layers=3),
                             dtype, "cpu")
-        hf, lean = TargetAdapter(model, [0, 2]), LeanTarget(model, [0, 2])
+        hf, lean = HFTarget(model, [0, 2]), LeanTarget(model, [0, 2])
         ids = torch.randint(64, (300,), generator=torch.Generator().manual_seed(1))  # two prefill chunks
-        a, fa = hf.prefill(ids)
-        b, fb = lean.prefill(ids)
+        a, fa = prefill(hf, ids)
+        b, fb = prefill(lean, ids)
         # Hugging Face's RMSNorm computes in float32 even for a float64 model, so fp32 tolerance for both
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(fb, fa, rtol=1e-3, atol=1e-3)
         tokens, depths = torch.tensor([5, 9, 11, 2]), torch.tensor([0, 1, 1, 2])
         vis = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
-        la, _ = hf.forward_tree(tokens, depths, hf.tree_mask(vis))
-        lb, _ = lean.forward_tree(tokens, depths, lean.tree_mask(vis))
+        la, _ = forward_tree(hf, tokens, depths, vis)
+        lb, _ = forward_tree(lean, tokens, depths, vis)
         torch.testing.assert_close(lb, la, rtol=1e-4, atol=1e-4)
 
 
@@ -97,17 +97,17 @@ def test_tree_rows_equal_their_paths_bitwise(tiny32, data):
     tokens = torch.tensor(data.draw(st.lists(st.integers(0, 63), min_size=size + 1, max_size=size + 1)))
     prompt = torch.tensor(data.draw(st.lists(st.integers(0, 63), min_size=1, max_size=40)))
     target = LeanTarget(tiny32)
-    target.prefill(prompt)
-    start = target.cache_length
-    tree_logits, _ = target.forward_tree(tokens, depths, target.tree_mask(vis))
+    prefill(target, prompt)
+    start = target.slot_length(0)
+    tree_logits, _ = forward_tree(target, tokens, depths, vis)
     for row in data.draw(st.lists(st.integers(0, size), min_size=1, max_size=4, unique=True)):
         path = [row]
         while parents[path[-1]] >= 0:
             path.append(parents[path[-1]])
         path.reverse()
-        target.compact(start, torch.zeros(0, dtype=torch.long))
+        target.keep(0, start, torch.zeros(0, dtype=torch.long))
         for r in path:  # one-token steps along the path
-            step, _ = target.forward_tree(tokens[r:r + 1], torch.zeros(1, dtype=torch.long), None)
+            step, _ = forward_tree(target, tokens[r:r + 1], torch.zeros(1, dtype=torch.long))
         assert torch.equal(step[0], tree_logits[row])
 
 
@@ -170,7 +170,7 @@ def test_every_method_reproduces_lean_ar_in_float32(fp32_pipeline, prompt, seed)
 
 def test_lean_can_be_refused_and_insisted_on(model_dirs):
     target, drafter = model_dirs[("llama", "target")], model_dirs[("llama", None)]
-    assert type(dartree.load(target, drafter, dtype=torch.float32, lean=False).target) is TargetAdapter
+    assert type(dartree.load(target, drafter, dtype=torch.float32, lean=False).target) is HFTarget
     assert type(dartree.load(target, drafter, dtype=torch.float32, lean=True).target) is LeanTarget
     with pytest.raises(ValueError, match="lean=True.*dtype"):
         dartree.load(target, drafter, dtype=torch.bfloat16, lean=True)
@@ -242,24 +242,23 @@ def test_bf16_products_follow_the_exact_forward_closely_and_only_where_asked(tin
     assert exact.weights.products == "exact" and fast.weights.layers[0].qkv.dtype == torch.bfloat16
     assert fast.store.k.dtype == torch.float32
     ids = torch.randint(64, (300,), generator=torch.Generator().manual_seed(5))
-    a, _ = exact.prefill(ids)
-    b, _ = fast.prefill(ids)
+    a, _ = prefill(exact, ids)
+    b, _ = prefill(fast, ids)
     assert not torch.equal(a, b)  # the products did change
     torch.testing.assert_close(b, a, rtol=0, atol=0.05 * a.abs().max().item())
     tokens, depths = torch.tensor([5, 9, 11, 2]), torch.tensor([0, 1, 1, 2])
     vis = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
-    la, _ = exact.forward_tree(tokens, depths, vis)
-    lb, _ = fast.forward_tree(tokens, depths, vis)
+    la, _ = forward_tree(exact, tokens, depths, vis)
+    lb, _ = forward_tree(fast, tokens, depths, vis)
     torch.testing.assert_close(lb, la, rtol=0, atol=0.05 * la.abs().max().item())
     with pytest.raises(ValueError, match="products must be one of"):
         LeanWeights(tiny32, products="int8")
 
 
 def test_bf16_products_are_refused_where_the_lean_forward_cannot_run(model_dirs):
-    from dartree.pipeline import make_target_adapter
     model = load_target(model_dirs[("llama", "target")], torch.bfloat16, "cpu")
     with pytest.raises(ValueError, match="lean_products='bfloat16'.*dtype"):
-        make_target_adapter(model, (), "auto", lean_products="bfloat16")
+        make_target(model, (), "auto", lean_products="bfloat16")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

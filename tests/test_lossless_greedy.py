@@ -9,7 +9,7 @@ from dartree.trees import BUILDERS
 from dartree.trees import METHODS as ALL_METHODS
 
 TREE_METHODS = tuple(m for m, b in BUILDERS.items() if "budget" in b.reads)
-DRAFT_METHODS = tuple(m for m, b in BUILDERS.items() if b.uses_drafter)
+DRAFT_METHODS = tuple(m for m, b in BUILDERS.items() if b.proposer is not None)
 HF_CACHE = {}
 
 
@@ -30,15 +30,15 @@ prompts = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=7)
     prompt=prompts,
     budget=st.sampled_from([1, 3, 8, 16]),
     width=st.sampled_from([1, 3, 12]),
-    top_k=st.sampled_from([2, 8, 64]),
+    tree_top_k=st.sampled_from([2, 8, 64]),
     seed=st.integers(0, 2**16),
 )
-def test_every_method_matches_hf_greedy(pipelines, family, head, prompt, budget, width, top_k, seed):
+def test_every_method_matches_hf_greedy(pipelines, family, head, prompt, budget, width, tree_top_k, seed):
     pipe = pipelines[(family, head)]
     want = reference(pipe, family, prompt, 20)
     for method in pipe.methods:
         got = pipe.generate(input_ids=prompt, method=method, max_new_tokens=20, budget=budget, width=width,
-                            top_k=top_k, seed=seed, stop_token_ids=[])
+                            tree_top_k=tree_top_k, seed=seed, stop_token_ids=[])
         assert got.token_ids == want, f"{method} diverged from greedy decoding"
         assert sum(got.stats.acceptance_lengths) >= len(want) - 1
 
@@ -197,13 +197,13 @@ def reduced_vocab_pipelines(model_dirs, tmp_path_factory):
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("head", HEADS)
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(prompt=prompts, budget=st.sampled_from([1, 4, 16]), top_k=st.sampled_from([2, 64]))
-def test_reduced_draft_vocabulary_matches_hf_greedy(reduced_vocab_pipelines, family, head, prompt, budget, top_k):
+@given(prompt=prompts, budget=st.sampled_from([1, 4, 16]), tree_top_k=st.sampled_from([2, 64]))
+def test_reduced_draft_vocabulary_matches_hf_greedy(reduced_vocab_pipelines, family, head, prompt, budget, tree_top_k):
     pipe = reduced_vocab_pipelines[(family, head)]
     assert pipe.drafter.config.draft_vocab_size == 5
     want = reference(pipe, family, prompt, 20)
     for method in pipe.methods:
-        got = pipe.generate(input_ids=prompt, method=method, max_new_tokens=20, budget=budget, top_k=top_k,
+        got = pipe.generate(input_ids=prompt, method=method, max_new_tokens=20, budget=budget, tree_top_k=tree_top_k,
                             stop_token_ids=[])
         assert got.token_ids == want, f"{method} diverged from greedy decoding with a reduced draft vocabulary"
 
@@ -218,7 +218,9 @@ def test_reduced_vocabulary_trees_hold_target_ids_of_the_draft_vocabulary(reduce
     allowed = set(pipe.drafter.draft_to_target(torch.arange(5)).tolist())
     assert len(allowed) == 5 and allowed != set(range(5))  # the mapping is not the identity
     ids = torch.tensor([1, 2, 3])
-    _, features = pipe.target.prefill(ids) if pipe.target.capture else (None, None)
+    from dartree.targets import prefill
+
+    _, features = prefill(pipe.target, ids) if pipe.target.capture else (None, None)
     pipe.proposer.reset()
     draft = pipe.proposer.draft(4, features, 3)
     assert draft.base_logits.shape[-1] == 5

@@ -67,7 +67,7 @@ def empirical(pipe, method, length=3):
     counts = {}
     for seed in range(SAMPLES):
         res = pipe.generate(input_ids=PROMPT, method=method, max_new_tokens=length, temperature=1.0, seed=seed,
-                            budget=4, width=2, top_k=4, stop_token_ids=[])
+                            budget=4, width=2, tree_top_k=4, stop_token_ids=[])
         key = tuple(res.token_ids)
         counts[key] = counts.get(key, 0) + 1
     return counts
@@ -91,7 +91,7 @@ def test_joint_distribution_matches_target(small_pipes, truth, head, method):
 def test_first_round_accepts_drafts(small_pipes):
     """The check above is only meaningful if the walk does accept draft nodes at T = 1."""
     res = [small_pipes["domino"].generate(input_ids=PROMPT, method="dartree", max_new_tokens=3, temperature=1.0, seed=s,
-                                          budget=4, width=2, top_k=4, stop_token_ids=[]) for s in range(200)]
+                                          budget=4, width=2, tree_top_k=4, stop_token_ids=[]) for s in range(200)]
     assert sum(r.stats.acceptance_lengths[0] >= 2 for r in res) >= 20
 
 

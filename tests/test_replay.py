@@ -6,7 +6,7 @@ from conftest import FAMILIES, HEADS, VOCAB, synthetic_cost
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dartree.bench.replay import replay
+from dartree.replay import replay
 from dartree.budget import BudgetPolicy
 from dartree.errors import DartreeError
 from dartree.trees import TreeSettings, make_builder
@@ -127,9 +127,9 @@ def test_batched_greedy_answers_are_the_ones_generated_one_at_a_time(model_dirs,
     (``GreedyAnswers.prefetch``), are the lists ``enough_greedy`` makes one prompt at a time, on many
     prompts of different lengths, with and without stop tokens hit early, and the file keeps them."""
     import dartree
-    from dartree.bench.records import GreedyAnswers
-    from dartree.bench.replay import enough_greedy
-    from dartree.lean import LeanTarget
+    from dartree.greedy import GreedyAnswers
+    from dartree.replay import enough_greedy
+    from dartree.targets.lean import LeanTarget
 
     pipe = dartree.load(model_dirs[("llama", "target")], model_dirs[("llama", "domino")], dtype=dtype)
     assert isinstance(pipe.target, LeanTarget)  # batched rows, so the engine really runs several at once

@@ -160,14 +160,14 @@ def test_sixteen_concurrent_clients_get_their_own_answers(served):
 
 def test_sampled_answers_under_concurrency_equal_each_request_alone(served):
     """T > 0: each request's own seed gives its text whatever shares its rounds; ``top_k`` is
-    sampling top-k (as in vLLM) and ``tree_top_k`` DARTree's K."""
+    sampling top-k (as in vLLM and in ``generate``) and ``tree_top_k`` DARTree's K."""
     server, reference = served
     cases = [dict(seed=s, top_k=k, tree_top_k=tk) for s, k, tk in [(0, -1, 2), (1, 3, 4), (2, 2, 2), (3, -1, 3), (4, 5, 2), (5, 1, 4)]]
     messages = [{"role": "user", "content": "w3 w1"}]
 
     def alone(case):
         return reference.generate(messages=messages, method="dartree", max_new_tokens=10, temperature=1.0, seed=case["seed"],
-                                  sampling_top_k=case["top_k"] if case["top_k"] > 0 else None, top_k=case["tree_top_k"],
+                                  top_k=case["top_k"] if case["top_k"] > 0 else None, tree_top_k=case["tree_top_k"],
                                   budget=8, stop_token_ids=[]).text
 
     def ask(case):

@@ -1,11 +1,11 @@
-"""Target adapter: tapped states, the tree forward with its ancestor mask, and KV compaction."""
+"""The Hugging Face target (``targets.hf``): tapped states, the tree forward with its ancestor mask, and KV compaction."""
 
 import pytest
 import torch
 from conftest import FAMILIES
 from transformers import AutoModelForCausalLM
 
-from dartree.target import TargetAdapter
+from dartree.targets import HFTarget, forward_tree, prefill
 from dartree.trees import DraftTree
 from dartree.verify import ancestor_matrix, follow_tree
 
@@ -17,9 +17,9 @@ def hf_model(request, model_dirs):
 
 def test_hooks_equal_hf_hidden_states(hf_model):
     layers = [0, 1, 2]  # HF's last hidden_states entry is after the final norm, so the last layer is not compared
-    adapter = TargetAdapter(hf_model, layers)
+    adapter = HFTarget(hf_model, layers)
     ids = torch.tensor([3, 1, 4, 1, 5])
-    _, feats = adapter.prefill(ids)
+    _, feats = prefill(adapter, ids)
     ref = hf_model(ids[None], output_hidden_states=True).hidden_states
     h = hf_model.config.hidden_size
     for j, layer in enumerate(layers):
@@ -40,8 +40,8 @@ def test_ancestor_matrix():
 
 
 def test_tree_mask_is_additive_and_sees_the_prefix(hf_model):
-    adapter = TargetAdapter(hf_model, [])
-    adapter.prefill(torch.tensor([1, 2, 3]))
+    adapter = HFTarget(hf_model, [])
+    prefill(adapter, torch.tensor([1, 2, 3]))
     mask = adapter.tree_mask(ancestor_matrix(sample_tree()))
     assert mask.shape == (1, 1, 7, 3 + 7)
     assert torch.all(mask[..., :3] == 0)
@@ -59,8 +59,8 @@ def test_tree_mask_reuses_one_buffer_across_rounds(hf_model):
         return mask
 
     rng = random.Random(0)
-    adapter = TargetAdapter(hf_model, [])
-    adapter.prefill(torch.tensor([1, 2, 3]))
+    adapter = HFTarget(hf_model, [])
+    prefill(adapter, torch.tensor([1, 2, 3]))
     storage = set()
     for _ in range(12):
         n = rng.randint(1, 9)
@@ -75,8 +75,8 @@ def test_tree_mask_reuses_one_buffer_across_rounds(hf_model):
         assert torch.equal(mask, fresh(vis, adapter.cache_length))
         storage.add(mask.untyped_storage().data_ptr())
         rows, tree_depths = tree.rows(rng.randrange(vocab))
-        adapter.forward_tree(rows, tree_depths, mask)  # the cache grows by the tree; keep a prefix
-        adapter.compact(adapter.cache_length - len(rows), torch.arange(rng.randint(1, len(rows))))
+        forward_tree(adapter, rows, tree_depths, vis)  # the cache grows by the tree; keep a prefix
+        adapter.keep(0, adapter.cache_length - len(rows), torch.arange(rng.randint(1, len(rows))))
     assert len(storage) == 1
 
 
@@ -84,11 +84,11 @@ def test_tree_forward_equals_sequential_forward_on_every_path(hf_model):
     """Each node's logits equal a plain causal forward over prefix + its root-to-node path."""
     prefix = [4, 0, 6]
     tree = sample_tree()
-    adapter = TargetAdapter(hf_model, [1])
-    adapter.prefill(torch.tensor(prefix))
+    adapter = HFTarget(hf_model, [1])
+    prefill(adapter, torch.tensor(prefix))
     root = 2
     rows, depths = tree.rows(root)
-    logits, feats = adapter.forward_tree(rows, depths, adapter.tree_mask(ancestor_matrix(tree)))
+    logits, feats = forward_tree(adapter, rows, depths, ancestor_matrix(tree))
     parents = [-1] + tree.parents.tolist()
     for row in range(len(rows)):
         path, r = [], row
@@ -104,21 +104,21 @@ def test_tree_forward_equals_sequential_forward_on_every_path(hf_model):
 def test_compaction_keeps_the_accepted_path(hf_model):
     prefix = [4, 0, 6]
     tree = sample_tree()
-    adapter = TargetAdapter(hf_model, [])
-    adapter.prefill(torch.tensor(prefix))
+    adapter = HFTarget(hf_model, [])
+    prefill(adapter, torch.tensor(prefix))
     rows, depths = tree.rows(2)
-    adapter.forward_tree(rows, depths, adapter.tree_mask(ancestor_matrix(tree)))
+    forward_tree(adapter, rows, depths, ancestor_matrix(tree))
     accepted = torch.tensor([0, 1, 4, 5])  # root -> 5 -> 2 -> 7
-    adapter.compact(len(prefix), accepted)
+    adapter.keep(0, len(prefix), accepted)
     assert adapter.cache_length == len(prefix) + 4
     # Continuing from the compacted cache equals a fresh forward over the committed sequence.
-    next_logits, _ = adapter.forward_tree(torch.tensor([1]), torch.tensor([0]), None)
+    next_logits, _ = forward_tree(adapter, torch.tensor([1]), torch.tensor([0]))
     committed = prefix + rows[accepted].tolist() + [1]
     ref = hf_model(torch.tensor([committed])).logits[0, -1]
     torch.testing.assert_close(next_logits[0], ref, rtol=0, atol=1e-10)
     # and the cache itself equals the fresh cache of the committed tokens
-    fresh = TargetAdapter(hf_model, [])
-    fresh.prefill(torch.tensor(committed[:-1]))
+    fresh = HFTarget(hf_model, [])
+    prefill(fresh, torch.tensor(committed[:-1]))
     for a, b in zip(adapter.cache.layers, fresh.cache.layers):
         torch.testing.assert_close(a.keys[:, :, : len(committed) - 1], b.keys, rtol=0, atol=1e-10)
         torch.testing.assert_close(a.values[:, :, : len(committed) - 1], b.values, rtol=0, atol=1e-10)
@@ -156,22 +156,36 @@ def test_a_round_commits_the_greedy_path_and_compacts_the_cache(hf_model):
         def build(self, draft, head, size):
             return tree
 
-    class NoDraft:
-        def draft(self, bonus, features, start):
-            assert bonus == root and start == len(prefix) and features.shape[0] == len(prefix)
+    class NoDraft:  # a proposer (``proposers.base.Proposer``) whose proposal the fixed tree ignores
+        name, reads_tapped_states, head, batch_key, num_depths = "no-draft", True, None, None, 3
 
-    adapter = TargetAdapter(hf_model, [1])
+        def __init__(self):
+            self.seen = []
+
+        def observe(self, tokens, tapped_states):
+            self.seen.append((tokens.tolist(), tapped_states))
+
+        @classmethod
+        def propose_batch(cls, proposers, bonuses, positions):
+            assert bonuses == [root] and positions == [len(prefix)]
+            assert [len(t) for t, _ in proposers[0].seen] == [len(prefix)]  # it has seen the prompt's rows
+            return ["no draft: the fixed tree ignores it"]
+
+    adapter = HFTarget(hf_model, [1])
     adapter.capture = True
-    _, features = adapter.prefill(torch.tensor(prefix))
-    request = Request(torch.tensor(prefix), FixedTree(TreeSettings()), Sampler(0.0), 10, set(), proposer=NoDraft(),
-                      slot=0, output=[root], prefilled=len(prefix), bonus=root, pending=[features])
+    _, features = prefill(adapter, torch.tensor(prefix))
+    proposer = NoDraft()
+    proposer.observe(torch.tensor(prefix), features)
+    request = Request(torch.tensor(prefix), FixedTree(TreeSettings()), Sampler(0.0), 10, set(), proposer=proposer,
+                      slot=0, output=[root], prefilled=len(prefix), bonus=root, drafted=True)
     run_round(adapter, [request])
     assert request.stats.acceptance_lengths == [4] and request.stats.tree_sizes == [5]
     assert request.output == [root] + greedy[:4] and request.bonus == greedy[3]
-    assert request.pending[0].shape[0] == 4  # the accepted rows' tapped states, for the drafter
+    tokens, tapped = proposer.seen[-1]  # the proposer is shown the accepted path with its tapped states
+    assert tokens == [root] + greedy[:3] and tapped.shape[0] == 4
     assert adapter.cache_length == len(prefix) + 4
-    fresh = TargetAdapter(hf_model, [])
-    fresh.prefill(torch.tensor(prefix + [root] + greedy[:3]))
+    fresh = HFTarget(hf_model, [])
+    prefill(fresh, torch.tensor(prefix + [root] + greedy[:3]))
     for a, b in zip(adapter.cache.layers, fresh.cache.layers):
         torch.testing.assert_close(a.keys, b.keys, rtol=0, atol=1e-10)
 
@@ -259,7 +273,7 @@ def test_bf16_cpu_cache_keeps_kv_in_float32_with_the_same_outputs(family, model_
     bf16 cache. A model with plain SDPA keeps K/V in its own dtype (its attention wants them so)."""
     import dartree.attention as attention
     import dartree.loading as loading
-    from dartree.target import growing_cache
+    from dartree.targets.hf import growing_cache
 
     path = model_dirs[(family, "target")]
     model = loading.load_target(path, torch.bfloat16, "cpu")

@@ -242,6 +242,49 @@ def test_missing_gpu_is_a_one_line_cli_error(argv, monkeypatch, capsys):
     assert "no usable CUDA GPU" in err and "Traceback" not in err
 
 
+def test_every_train_flag_is_a_trainconfig_declaration_that_parses_to_it(capsys):
+    """``dartree train drafter|markov`` has a flag for each TrainConfig setting declared with flags (for
+    the steps that declare it), its default the declared one (or the step's own), parsed by its
+    declaration into the same TrainConfig; the help carries each default and no measurements."""
+    from dartree.cli import build_parser, main
+    from dartree.cli.train import train_config
+    from dartree.train.drafter import STAGES
+
+    given = dict(data="a,b", out="x", steps=7, seqs_per_step=2, anchors=5, draft_vocab=0, layers=2, gru=16, rank=8,
+                 markov_rank=4, lr=0.01, hard_weight=0.5, base_weight=0.2, heldout_per_category=1, balance="sqrt",
+                 eval_every=3, replay_eval=False, max_minutes=1.5, init_drafter="d", resume_from="r", tapped=[0, 2],
+                 feature_cache_gb=0.5, rerank_vocab=True, rescan_every=0)
+    parser = build_parser()
+    for stage in STAGES:
+        assert train_config(parser.parse_args(["train", stage])) == TrainConfig(out=f"runs/{stage}")
+        flagged = [s for s in TrainConfig.declarations() if s.metadata["flags"] and stage in s.metadata["stages"]]
+        assert {"steps", "tapped", "balance", "replay_eval"} <= {s.name for s in flagged}
+        assert all(s.name in given for s in flagged), "give the new setting a value above"
+        argv = ["train", stage]
+        for s in flagged:
+            flag, value = s.metadata["flags"][0], given[s.name]
+            if isinstance(value, bool):
+                argv.append(flag if value else "--no-" + flag[2:])
+            else:
+                argv += [flag, ",".join(map(str, value)) if isinstance(value, list) else str(value)]
+        assert train_config(parser.parse_args(argv)) == TrainConfig(**{s.name: given[s.name] for s in flagged})
+        with pytest.raises(SystemExit):
+            main(["train", stage, "--help"])
+        text = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
+        assert "measured" not in text and "(default 1,7,14,21,27)" in text and "(default --replay-eval)" in text
+    for argv in (["train", "--help"], ["train", "data", "--help"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert "measured" not in capsys.readouterr().out
+    assert main(["train", "drafter", "--layers", "0"]) == 2
+    assert "--layers must be at least 1, got 0" in capsys.readouterr().err
+    assert main(["train", "drafter", "--hard-weight", "1.5"]) == 2
+    assert "--hard-weight must be between 0 and 1, got 1.5" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", "drafter", "--tapped", "1,x"])
+    assert "expected comma-separated integers" in capsys.readouterr().err
+
+
 def test_growing_a_resumed_drafter_keeps_its_outputs_then_trains_the_new_layer(tiny_data, tmp_path):
     """``--layers 2 --resume-from`` a 1-layer drafter: the grown drafter's logits equal the trained
     one's (the new layer starts as the identity), training then moves the new layer, the grown
@@ -384,7 +427,7 @@ def test_engine_data_answers_each_prompt_as_the_target_alone(model_dirs):
     greedy answer equals HF greedy decoding of that prompt alone, every sampled answer the same
     request (seed) generated alone, and each shard comes back whole, in prompt order."""
     from dartree.engine import run_alone
-    from dartree.lean import LeanTarget
+    from dartree.targets.lean import LeanTarget
     from dartree.settings import GenerationSettings
     from dartree.train.data import ShardJob, TrainingPrompt, engine_responses
 

@@ -118,11 +118,11 @@ def check_well_formed(tree: DraftTree):
 
 @pytest.mark.parametrize("kind", ["domino", "markov"])
 @settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 10_000), budget=st.integers(1, 30), top_k=st.sampled_from([3, 8, 40]),
+@given(seed=st.integers(0, 10_000), budget=st.integers(1, 30), tree_top_k=st.sampled_from([3, 8, 40]),
        beta=st.sampled_from([0.0, -0.2, -1.5]))
-def test_heap_and_dartree_pick_the_same_tree_when_the_beam_is_wide(kind, seed, budget, top_k, beta):
+def test_heap_and_dartree_pick_the_same_tree_when_the_beam_is_wide(kind, seed, budget, tree_top_k, beta):
     draft, head = random_draft(seed), random_head(kind, seed)
-    s = TreeSettings(budget=budget, width=budget, top_k=top_k, beta=beta)  # W >= B keeps every node the heap visits
+    s = TreeSettings(budget=budget, width=budget, tree_top_k=tree_top_k, beta=beta)  # W >= B keeps every node the heap visits
     heap_tree = make_builder("heap", s).build(draft, head, budget)
     dar_tree = make_builder("dartree", s).build(draft, head, budget)
     check_well_formed(heap_tree)
@@ -135,7 +135,7 @@ def test_heap_and_dartree_pick_the_same_tree_when_the_beam_is_wide(kind, seed, b
 @pytest.mark.parametrize("budget", [1, 5, 16, 64])
 def test_builders_make_valid_trees(method, budget):
     draft, head = random_draft(budget), random_head("domino", budget)
-    tree = make_builder(method, TreeSettings(budget=budget, width=4, top_k=8)).build(draft, head, budget)
+    tree = make_builder(method, TreeSettings(budget=budget, width=4, tree_top_k=8)).build(draft, head, budget)
     check_well_formed(tree)
     if method in ("dflash", "domino"):
         assert len(tree) == D and tree.depths.tolist() == list(range(1, D + 1))
@@ -147,7 +147,7 @@ def test_builders_make_valid_trees(method, budget):
 
 def test_dartree_fixed_spreads_the_budget_over_depths():
     draft, head = random_draft(1), random_head("domino", 1)
-    tree = make_builder("dartree-fixed", TreeSettings(budget=24, top_k=8)).build(draft, head, 24)
+    tree = make_builder("dartree-fixed", TreeSettings(budget=24, tree_top_k=8)).build(draft, head, 24)
     assert torch.bincount(tree.depths)[1:].tolist() == [4] * D
 
 
@@ -171,7 +171,7 @@ def test_ddtree_is_the_top_b_of_the_factorised_distribution():
 
 def test_domino_chain_uses_the_corrected_argmax():
     draft, head = random_draft(3), random_head("domino", 3)
-    tree = make_builder("domino").build(draft, head, TreeSettings().build_size)
+    tree = make_builder("domino").build(draft, head, TreeSettings().build_budget)
     rnd = head.start_round(draft.hidden, draft.base_logits)
     state = head.initial_state(draft.bonus)
     for slot, token in enumerate(tree.tokens.tolist()):
@@ -204,8 +204,8 @@ def test_early_stop_does_not_change_the_tree(kind, seed, budget, width, beta, sc
 @settings(max_examples=25, deadline=None)
 @given(seeds=st.lists(st.integers(0, 10_000), min_size=2, max_size=5, unique=True),
        budgets=st.lists(st.integers(1, 40), min_size=5, max_size=5), width=st.integers(1, 12),
-       top_k=st.sampled_from([3, 8, 40]), beta=st.sampled_from([0.0, -0.2, -1.5]))
-def test_dartree_builds_many_requests_as_it_builds_each_alone(kind, seeds, budgets, width, top_k, beta):
+       tree_top_k=st.sampled_from([3, 8, 40]), beta=st.sampled_from([0.0, -0.2, -1.5]))
+def test_dartree_builds_many_requests_as_it_builds_each_alone(kind, seeds, budgets, width, tree_top_k, beta):
     """The batched expansion (every live branch of every request corrected in one batch per depth,
     each request stopping on its own budget) gives each request the tree, ranking and scores it
     gets alone."""
@@ -213,11 +213,11 @@ def test_dartree_builds_many_requests_as_it_builds_each_alone(kind, seeds, budge
 
     head = random_head(kind, seeds[0])
     drafts = [random_draft(s) for s in seeds]
-    sizes = budgets[: len(seeds)]
-    builder = make_builder("dartree", TreeSettings(budget=max(sizes), width=width, top_k=top_k, beta=beta))
-    together = BUILDERS["dartree"].build_many([builder] * len(drafts), drafts, head, sizes)
-    for draft, size, tree in zip(drafts, sizes, together):
-        alone = builder.build(draft, head, size)
+    budgets = budgets[: len(seeds)]
+    builder = make_builder("dartree", TreeSettings(budget=max(budgets), width=width, tree_top_k=tree_top_k, beta=beta))
+    together = BUILDERS["dartree"].build_many([builder] * len(drafts), drafts, head, budgets)
+    for draft, budget, tree in zip(drafts, budgets, together):
+        alone = builder.build(draft, head, budget)
         check_well_formed(tree)
         assert torch.equal(tree.tokens, alone.tokens) and torch.equal(tree.parents, alone.parents)
         assert torch.equal(tree.depths, alone.depths) and torch.equal(tree.rank, alone.rank)

@@ -212,25 +212,46 @@ def markdown(summaries: list[Summary], title: str = "dartree benchmark") -> str:
 
 
 def plots(summaries: list[Summary], out_dir: Path) -> list[Path]:
+    """The report's PNG plots of the temperature-0 configurations (those there is data for)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    made = []
     t0 = [s for s in summaries if s.temperature == 0 and s.tau_macro]
     if not t0:
-        return made
+        return []
+    methods = list(dict.fromkeys(s.method for s in sorted(t0, key=_order)))
+    made = [_plot_tau_by_method(plt, t0, methods, out_dir)]
+    # speedup against budget; tau against budget (the budget ablation)
+    made.append(_plot_against_budget(plt, t0, methods, lambda s: s.speedup_vs_ar, (None, -0.2, 0.0), 1,
+                                     "speedup over ar (mean over datasets)", "Speedup against budget (T=0)",
+                                     out_dir / "speedup_vs_budget.png"))
+    made.append(_plot_against_budget(plt, t0, methods, lambda s: s.tau_macro, (None, -0.2), 2, "τ (mean over datasets)",
+                                     "Acceptance length against budget (T=0)", out_dir / "tau_vs_budget.png"))
+    made.append(_plot_width_ablation(plt, t0, out_dir))
+    made.append(_plot_beta_ablation(plt, t0, out_dir))
+    made.append(_plot_latency_breakdown(plt, t0, out_dir))
+    return [path for path in made if path is not None]
+
+
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _plot_tau_by_method(plt, t0: list[Summary], methods: list[str], out_dir: Path) -> Path:
+    """τ by method and dataset (each method's best setting: the fastest; in replay records, with no
+    timings, the longest acceptance)."""
     datasets = sorted({s.dataset for s in t0})
-    # 1. tau by method and dataset (best budget per method)
     best: dict[tuple, Summary] = {}
     for s in t0:
         k = (s.dataset, s.method)
-        # best = fastest; in replay records (no timings) the longest acceptance
         if k not in best or (s.speedup_vs_ar or 0, s.tau_macro) > (best[k].speedup_vs_ar or 0, best[k].tau_macro):
             best[k] = s
-    methods = list(dict.fromkeys(s.method for s in sorted(t0, key=_order)))
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(methods) * len(datasets) / 2), 4))
     w = 0.8 / max(len(methods), 1)
     for i, m in enumerate(methods):
@@ -241,101 +262,97 @@ def plots(summaries: list[Summary], out_dir: Path) -> list[Path]:
     ax.set_title("Acceptance length by method (T=0, best setting)")
     ax.margins(y=0.12)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the axes: it never hides a bar
-    fig.tight_layout()
-    made.append(out_dir / "tau_by_method.png")
-    fig.savefig(made[-1], dpi=120)
-    plt.close(fig)
-    def against_budget(value, betas, min_points, ylabel, title, name):
-        """One line per method: mean ``value`` by budget (W = 12 and the given betas only)."""
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for m in methods:
-            pts = defaultdict(list)
-            for s in t0:
-                v = value(s)
-                if s.method == m and isinstance(s.budget, int) and v and s.width in (None, 12) and s.beta in betas:
-                    pts[s.budget].append(v)
-            if len(pts) >= min_points:
-                bs = sorted(pts)
-                ax.plot(bs, [sum(pts[b]) / len(pts[b]) for b in bs], marker="o", label=m)
-        if ax.get_lines():  # replay records have no speedups
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("tree budget B")
-            ax.set_ylabel(ylabel)
-            ax.set_title(title)
-            ax.legend(fontsize=7)
-            fig.tight_layout()
-            made.append(out_dir / name)
-            fig.savefig(made[-1], dpi=120)
-        plt.close(fig)
+    return _save(plt, fig, out_dir / "tau_by_method.png")
 
-    # 2. speedup against budget; 2b. tau against budget (the budget ablation)
-    against_budget(lambda s: s.speedup_vs_ar, (None, -0.2, 0.0), 1, "speedup over ar (mean over datasets)",
-                   "Speedup against budget (T=0)", "speedup_vs_budget.png")
-    against_budget(lambda s: s.tau_macro, (None, -0.2), 2, "τ (mean over datasets)",
-                   "Acceptance length against budget (T=0)", "tau_vs_budget.png")
-    # 3. width ablation
+
+def _plot_against_budget(plt, t0: list[Summary], methods: list[str], value, betas, min_points: int, ylabel: str,
+                         title: str, path: Path) -> Path | None:
+    """One line per method: mean ``value`` by budget (W = 12 and the given betas only); None where no
+    method has ``min_points`` budgets with a value (replay records have no speedups)."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m in methods:
+        pts = defaultdict(list)
+        for s in t0:
+            v = value(s)
+            if s.method == m and isinstance(s.budget, int) and v and s.width in (None, 12) and s.beta in betas:
+                pts[s.budget].append(v)
+        if len(pts) >= min_points:
+            bs = sorted(pts)
+            ax.plot(bs, [sum(pts[b]) / len(pts[b]) for b in bs], marker="o", label=m)
+    if not ax.get_lines():
+        plt.close(fig)
+        return None
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tree budget B")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    return _save(plt, fig, path)
+
+
+def _plot_width_ablation(plt, t0: list[Summary], out_dir: Path) -> Path | None:
+    """dartree's τ by width W (None with fewer than two widths)."""
     widths = defaultdict(list)
     for s in t0:
         if s.method == "dartree" and s.width is not None:
             widths[s.width].append(s.tau_macro)
-    if len(widths) > 1:
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        ws = sorted(widths)
-        ax.plot(ws, [sum(widths[x]) / len(widths[x]) for x in ws], marker="o")
-        ax.set_xlabel("width W")
-        ax.set_ylabel("τ (mean over datasets and budgets)")
-        ax.set_title("dartree width ablation (T=0)")
-        fig.tight_layout()
-        made.append(out_dir / "width_ablation.png")
-        fig.savefig(made[-1], dpi=120)
-        plt.close(fig)
-    # 3b. depth-bonus ablation
+    if len(widths) <= 1:
+        return None
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ws = sorted(widths)
+    ax.plot(ws, [sum(widths[x]) / len(widths[x]) for x in ws], marker="o")
+    ax.set_xlabel("width W")
+    ax.set_ylabel("τ (mean over datasets and budgets)")
+    ax.set_title("dartree width ablation (T=0)")
+    return _save(plt, fig, out_dir / "width_ablation.png")
+
+
+def _plot_beta_ablation(plt, t0: list[Summary], out_dir: Path) -> Path | None:
+    """dartree's and heap's τ by depth bonus β at W = 12 (None with fewer than two betas)."""
     betas = defaultdict(list)
     for s in t0:
         if s.method in ("dartree", "heap") and s.beta is not None and s.width in (None, 12):
             betas[(s.method, s.beta)].append(s.tau_macro)
-    if len({b for _, b in betas}) > 1:
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        for m in ("dartree", "heap"):
-            bs = sorted(b for mm, b in betas if mm == m)
-            if bs:
-                ax.plot(bs, [sum(betas[(m, b)]) / len(betas[(m, b)]) for b in bs], marker="o", label=m)
-        ax.set_xlabel("depth bonus β")
-        ax.set_ylabel("τ (mean over datasets and budgets)")
-        ax.set_title("β ablation (T=0)")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        made.append(out_dir / "beta_ablation.png")
-        fig.savefig(made[-1], dpi=120)
-        plt.close(fig)
-    # 4. latency breakdown per round
+    if len({b for _, b in betas}) <= 1:
+        return None
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for m in ("dartree", "heap"):
+        bs = sorted(b for mm, b in betas if mm == m)
+        if bs:
+            ax.plot(bs, [sum(betas[(m, b)]) / len(betas[(m, b)]) for b in bs], marker="o", label=m)
+    ax.set_xlabel("depth bonus β")
+    ax.set_ylabel("τ (mean over datasets and budgets)")
+    ax.set_title("β ablation (T=0)")
+    ax.legend(fontsize=7)
+    return _save(plt, fig, out_dir / "beta_ablation.png")
+
+
+def _plot_latency_breakdown(plt, t0: list[Summary], out_dir: Path) -> Path | None:
+    """Milliseconds per round by stage and configuration (replay records: the tree build alone)."""
     rows = [s for s in t0 if any(s.stage_ms_per_round.values()) and s.method not in ("hf-generate", "hf-prompt-lookup")]
     agg: dict[str, Counter] = defaultdict(Counter)
     cnt = Counter()
     for s in rows:
         agg[_label(s)].update(s.stage_ms_per_round)
         cnt[_label(s)] += 1
-    if agg:
-        labels = list(agg)
-        replay_only = not any(s.tokens_per_second for s in rows)  # replay times the tree build alone
-        stages = ("tree",) if replay_only else ROUND_STAGES
-        fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(labels)), 4))
-        bottom = [0.0] * len(labels)
-        for stage in stages:
-            vals = [agg[k][stage] / cnt[k] for k in labels]
-            ax.bar(labels, vals, bottom=bottom, label=stage)
-            bottom = [b + v for b, v in zip(bottom, vals)]
-        ax.set_ylabel("ms per round")
-        ax.set_title("Tree-build time per round (T=0, exact replay: no target forwards)" if replay_only
-                     else "Latency breakdown per round (T=0)")
-        ax.tick_params(axis="x", rotation=70, labelsize=7)
-        ax.margins(y=0.08)
-        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
-        fig.tight_layout()
-        made.append(out_dir / "latency_breakdown.png")
-        fig.savefig(made[-1], dpi=120)
-        plt.close(fig)
-    return made
+    if not agg:
+        return None
+    labels = list(agg)
+    replay_only = not any(s.tokens_per_second for s in rows)  # replay times the tree build alone
+    stages = ("tree",) if replay_only else ROUND_STAGES
+    fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(labels)), 4))
+    bottom = [0.0] * len(labels)
+    for stage in stages:
+        vals = [agg[k][stage] / cnt[k] for k in labels]
+        ax.bar(labels, vals, bottom=bottom, label=stage)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_ylabel("ms per round")
+    ax.set_title("Tree-build time per round (T=0, exact replay: no target forwards)" if replay_only
+                 else "Latency breakdown per round (T=0)")
+    ax.tick_params(axis="x", rotation=70, labelsize=7)
+    ax.margins(y=0.08)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return _save(plt, fig, out_dir / "latency_breakdown.png")
 
 
 def complete_prompts(records: list[dict]) -> set[tuple[str, str]]:

@@ -27,7 +27,7 @@ from ..trees import BUILDERS, TreeSettings, make_builder
 from . import llama_cpp
 from .datasets import Sample
 from .records import GreedyAnswers, append_line, read_records
-from .replay import replay
+from ..replay import replay
 
 HF_PEERS = ("hf-generate", "hf-prompt-lookup")
 PEERS = (*HF_PEERS, *llama_cpp.LLAMA_PEERS)  # other engines decoding the same target, timed beside ours
@@ -59,7 +59,10 @@ class _RunConfigMethods:
     @classmethod
     def from_record(cls, record: dict) -> "RunConfig":
         """The typed configuration of a bench record (records carry every field beside their key;
-        records written before runs crossed dtypes have no ``dtype``: float32)."""
+        records written before runs crossed dtypes have no ``dtype``: float32; records written before a
+        tree setting was renamed carry it under its old name, e.g. ``top_k`` for ``tree_top_k``)."""
+        renamed = {new: record[old] for old, new in TreeSettings.retired.items() if old in record and new not in record}
+        record = {**record, **renamed}
         return cls(**{name: record[name] for name in cls.__dataclass_fields__ if name in record})
 
     def settings(self, max_new_tokens: int, seed: int | None = 0) -> GenerationSettings:

@@ -85,21 +85,21 @@ def time_tree_builders(
         order = [(heap, heap_t), (dart, dart_t)] if r % 2 == 0 else [(dart, dart_t), (heap, heap_t)]
         for builder, sink in order:
             t0 = time.perf_counter()
-            tree = builder.build(draft, head, builder.settings.build_size)
+            tree = builder.build(draft, head, builder.settings.build_budget)
             elapsed = time.perf_counter() - t0
             if r >= warmup:
                 sink.append(elapsed * 1000)
                 if builder is dart:
                     reach.append(int(tree.depths.max()))
         if r == warmup:
-            same = heap.build(draft, head, heap.settings.build_size).paths() == wide.build(draft, head, wide.settings.build_size).paths()
+            same = heap.build(draft, head, heap.settings.build_budget).paths() == wide.build(draft, head, wide.settings.build_budget).paths()
     return TreeTiming(hidden, vocab, head_kind, statistics.median(heap_t), statistics.median(dart_t), same,
                       sum(reach) / len(reach))
 
 
 def format_table(rows: list[TreeTiming], settings: dict) -> str:
     lines = [
-        f"D={settings['depths']}, K={settings['top_k']}, W={settings['width']}, B={settings['budget']}, "
+        f"D={settings['depths']}, K={settings['tree_top_k']}, W={settings['width']}, B={settings['budget']}, "
         f"beta={settings['beta']}, GRU {settings['gru']}, rank {settings['rank']}, draft logits N(0, {settings['logit_scale']}^2), "
         f"{settings['rounds']} rounds per cell (median), torch {torch.__version__}, {torch.get_num_threads()} threads",
         "",

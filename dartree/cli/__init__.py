@@ -116,7 +116,11 @@ def main(argv: list[str] | None = None) -> int:
 
     hf_logging.disable_progress_bar()  # the weights load in a second; their progress bar is noise
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except DartreeError as exc:  # a retired flag, which names its new spelling (``args.add_retired_flags``)
+        print(f"{getattr(exc, 'prog', 'dartree')}: error: {exc}", file=sys.stderr)
+        return 2
     if args.command is None:
         parser.print_help()
         return 0

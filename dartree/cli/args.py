@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+from ..errors import DartreeError
 from ..settings import GenerationSettings
 from ..trees import BUILDERS, TreeSettings
+from ..trees.base import RETIRED_NOTES
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -44,6 +46,7 @@ def add_generation_args(p: argparse.ArgumentParser, names: tuple[str, ...] | Non
         p.add_argument(*meta["flags"], dest=setting.name, type=_argument_type(setting), default=setting.default,
                        choices=meta["choices"], metavar=setting.name.upper() if meta["choices"] else None,
                        help=f"{defaults_of}{meta['help']}{choices} (default {'off' if setting.default is None else setting.default})")
+    add_retired_flags(p, GenerationSettings, names=names)
 
 
 def generation_settings(args) -> GenerationSettings:
@@ -61,6 +64,46 @@ def add_tree_args(p: argparse.ArgumentParser) -> None:
         readers = ", ".join(m for m, b in BUILDERS.items() if name in b.settings_read())
         g.add_argument(*meta["flags"], dest=name, type=_argument_type(setting), default=setting.default,
                        help=f"{meta['help']} ({readers}; default {setting.default})")
+    add_retired_flags(p, TreeSettings)
+
+
+def retired_flag(name: str, suffix: str = "") -> str:
+    """The command-line flag a retired setting name had (``sampling_top_k`` -> ``--sampling-top-k``)."""
+    return "--" + name.replace("_", "-") + suffix
+
+
+class _RetiredFlag(argparse.Action):
+    """A flag that was renamed: giving it is a ``DartreeError`` that names the new flag (hidden from --help)."""
+
+    def __init__(self, option_strings, dest, new: str = "", note: str = "", **kwargs):
+        super().__init__(option_strings, dest, nargs="?", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        self.new, self.note = new, note
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        error = DartreeError(f"{option_string} was renamed {self.new}{self.note}")
+        error.prog = parser.prog  # the command, for its one-line message (``dartree generate: error: ...``)
+        raise error
+
+
+def add_retired_flags(p: argparse.ArgumentParser, declared, suffix: str = "", extra: dict[str, str] | None = None,
+                      names: tuple[str, ...] | None = None) -> None:
+    """The retired spellings of ``declared``'s settings (``declared.retired``: old name -> new name, e.g.
+    ``GenerationSettings``' ``sampling_top_k`` -> ``top_k``) as flags that are an error naming the new flag:
+    ``--sampling-top-k`` -> ``--top-k`` (``suffix``: the bench's list flags, ``--top-ks`` -> ``--tree-top-ks``;
+    ``extra``: more old flag -> new name; ``names``: only the settings the command has). An old flag that names
+    a setting of the command now (``--top-k`` is sampling top-k in ``dartree generate``, whose generation
+    arguments are added before the tree's) is left to it."""
+    flags = {retired_flag(old, suffix): new for old, new in declared.retired.items()} | (extra or {})
+    for old_flag, new in flags.items():
+        if names is not None and new not in names:
+            continue
+        old = next(old for old, n in declared.retired.items() if n == new)
+        new_flag = declared.__dataclass_fields__[new].metadata["flags"][0] + suffix
+        try:
+            p.add_argument(old_flag, action=_RetiredFlag, dest=f"retired_{old_flag.lstrip('-')}", new=new_flag,
+                           note=RETIRED_NOTES.get(old, ""))
+        except argparse.ArgumentError:  # the flag belongs to a current setting of this command
+            continue
 
 
 def _argument_type(setting):

@@ -19,7 +19,7 @@ from ..loading import parse_dtype
 from ..pipeline import load as load_pipeline
 from ..settings import GenerationSettings
 from ..trees import METHODS, TreeSettings, builder_class
-from .args import add_generation_args, add_model_args, add_threads_arg, add_tree_args, tree_settings
+from .args import add_generation_args, add_model_args, add_retired_flags, add_threads_arg, add_tree_args, tree_settings
 
 DEFAULT_METHODS = ",".join(METHODS + PEERS)
 
@@ -49,7 +49,7 @@ def _run_bench_tree(args) -> int:
     from tqdm import tqdm
 
     settings = tree_settings(args)
-    settings = replace(settings, budget=settings.build_size)  # bench-tree times one fixed size
+    settings = replace(settings, budget=settings.build_budget)  # bench-tree times one fixed budget
     try:
         sizes = [tuple(int(x) for x in item.lower().split("x")) for item in args.sizes.split(",")]
         assert all(len(s) == 2 and s[0] > 0 and s[1] > 0 for s in sizes)
@@ -64,7 +64,7 @@ def _run_bench_tree(args) -> int:
         for hidden, vocab in tqdm(sizes, desc=f"bench-tree ({head})", file=sys.stderr):
             rows.append(time_tree_builders(hidden, vocab, head, settings, depths=args.depths, gru=args.gru, rank=args.rank,
                                            rounds=args.rounds, logit_scale=args.logit_scale))
-    table = format_table(rows, dict(depths=args.depths, top_k=settings.top_k, width=settings.width, budget=settings.budget,
+    table = format_table(rows, dict(depths=args.depths, tree_top_k=settings.tree_top_k, width=settings.width, budget=settings.budget,
                                     beta=settings.beta, gru=args.gru, rank=args.rank, rounds=args.rounds,
                                     logit_scale=args.logit_scale))
     print(table)
@@ -132,8 +132,9 @@ def _floats(text, name):
 
 
 # The bench crosses each tree setting over a comma list (``--budgets 16,32,64``, ``--widths``,
-# ``--top-ks``, ``--betas``, ``--max-budgets``), one flag per ``TreeSettings`` declaration; the
-# budgets' default is the fixed-size sweep, every other list's the setting's own default.
+# ``--tree-top-ks``, ``--betas``, ``--max-budgets``), one flag per ``TreeSettings`` declaration; the
+# budgets' default is the fixed-budget sweep, every other list's the setting's own default. The retired
+# spellings of a setting (``--top-ks``, and ``--top-k``, the list's older spelling) name the new flag.
 BENCH_LIST_DEFAULTS = {"budget": "16,32,64"}
 
 
@@ -145,9 +146,9 @@ def add_tree_list_args(p) -> None:
     g = p.add_argument_group("tree settings (comma lists; the grid crosses them for the methods that read each)")
     for setting in TreeSettings.declarations():
         default = BENCH_LIST_DEFAULTS.get(setting.name, str(setting.default))
-        flags = [_list_flag(setting)] + (["--top-k"] if setting.name == "top_k" else [])  # --top-k: the older spelling
-        g.add_argument(*flags, dest=f"{setting.name}_list", default=default,
+        g.add_argument(_list_flag(setting), dest=f"{setting.name}_list", default=default,
                        help=f"{setting.metadata['help']} (default {default})")
+    add_retired_flags(p, TreeSettings, suffix="s", extra={"--top-k": "tree_top_k"})
 
 
 def tree_lists(args) -> dict[str, list]:

@@ -50,7 +50,7 @@ def _run_serve(args) -> int:
         raise DartreeError(f"--max-batch must be >= 1, got {args.max_batch}")
     max_batch = args.max_batch
     if max_batch is None:
-        max_batch = default_max_batch(pipe.cost_model()) if pipe.target.kind == "lean" else 1
+        max_batch = default_max_batch(pipe.cost_model()) if pipe.target.max_slots is None else pipe.target.max_slots
     app = create_app(pipe, defaults, args.model_name, args.max_queue, max_batch)
     print(f"dartree serve: listening on http://{args.host}:{args.port}/v1 (model {args.model_name!r}, method "
           f"{defaults.method}, budget {defaults.tree.budget}, max batch {max_batch})", file=sys.stderr)

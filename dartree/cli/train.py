@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 import torch
 
-from .. import lean
+from ..targets import lean
 from ..default_model import default_target_dir
 from ..errors import DartreeError
 from ..hardware import inexact_work_dtype
 from ..loading import load_target, load_tokenizer, resolve_device
 from ..pipeline import Pipeline
-from ..train.data import NON_COMMERCIAL_SOURCES, generate_data, reference_token_counts
-from ..train.drafter import BALANCE, TrainConfig, Trainer, export
+from ..train.data import generate_data, reference_token_counts
+from ..train.drafter import TrainConfig, Trainer, export
 from .args import add_threads_arg
 
 
@@ -34,7 +35,7 @@ def add_train_parser(sub) -> None:
     data.add_argument("--prompts", default="../shared/prompts", help="training prompts folder (default ../shared/prompts)")
     data.add_argument("--out", default="runs/data", help="shard folder (default runs/data)")
     data.add_argument("--prompt-set", default="original", choices=("original", "expanded"),
-                      help="original: GSM8K/Alpaca/Dolly/MBPP (what the shipped drafter saw); expanded: the 20 permissively "
+                      help="original: GSM8K/Alpaca/Dolly/MBPP; expanded: the 20 permissively "
                            "licensed JSONL files of every category, less a held-out split of each (default original)")
     data.add_argument("--num-prompts", type=int, default=None,
                       help="generate for the first N prompts of the fixed shuffle (default: all of them); a larger N later extends the data")
@@ -49,16 +50,15 @@ def add_train_parser(sub) -> None:
                            "shard (for GPUs or models the lean forward lacks); auto (default): engine on a "
                            "CPU where the lean forward runs the target, else batch")
     data.add_argument("--slots", type=int, default=64, help="requests per engine round (--generator engine; default 64)")
-    data.add_argument("--batch-size", type=int, default=48, help="prompts per shard (and per batch with --generator batch)")
-    data.add_argument("--max-new-tokens", type=int, default=256)
-    data.add_argument("--sample-fraction", type=float, default=0.25, help="share of shards sampled at T=1 (rest greedy)")
-    data.add_argument("--max-minutes", type=float, default=None, help="stop cleanly after this long (resume later)")
-    data.add_argument("--seed", type=int, default=0)
+    data.add_argument("--batch-size", type=int, default=48, help="prompts per shard (and per batch with --generator batch; default 48)")
+    data.add_argument("--max-new-tokens", type=int, default=256, help="most tokens of a response (default 256)")
+    data.add_argument("--sample-fraction", type=float, default=0.25, help="share of shards sampled at T=1, the rest greedy (default 0.25)")
+    data.add_argument("--max-minutes", type=float, default=None, help="stop cleanly after this long; run again to resume (default: no limit)")
+    data.add_argument("--seed", type=int, default=0, help="seed of the prompts' shuffle, which shards are sampled and their sampling (default 0)")
     data.add_argument("--start-shard", type=int, default=0,
                       help="write missing shards from this one on (wrapping around): a second process started further "
                            "on shares the work, each skipping shards the other has written or claimed (a .claim file beside the "
-                           "shard while it is written; a dead process's claim is taken over) (with bf16 products, two "
-                           "one-thread processes measured 1.45x one two-thread process on a 2-core Xeon: docs/default-model.md)")
+                           "shard while it is written; a dead process's claim is taken over) (default 0)")
     data.add_argument("--device", default="auto", help="auto (default: a GPU when there is one, else the CPU), cpu, cuda or cuda:N")
     add_threads_arg(data)
     data.set_defaults(func=_run_data)
@@ -97,42 +97,11 @@ def add_drafter_args(steps) -> None:
                            ("markov", "train a Markov head on a trained, frozen drafter")):
         p = steps.add_parser(name, help=helptext)
         p.add_argument("--target", help="target directory (default: bundled SmolLM2-135M-Instruct)")
-        p.add_argument("--data", default="runs/data",
-                       help="shard folder written by `dartree train data`, or several separated by commas (default runs/data)")
         p.add_argument("--prompts", default="../shared/prompts",
                        help="training prompts folder; its human-written text ranks the draft-vocabulary tokens the responses leave "
-                            "undecided, and its original files label the shards written before sources were kept")
-        p.add_argument("--balance", choices=BALANCE, default=TrainConfig.balance,
-                       help="category: each step draws a category uniformly, then one of its sequences; sqrt: a category "
-                            "with probability proportional to the square root of its size; none: any sequence "
-                            f"(sequences from {', '.join(NON_COMMERCIAL_SOURCES)}, licensed non-commercially, are never trained on)")
-        p.add_argument("--heldout-per-category", type=int, default=TrainConfig.heldout_per_category,
-                       help="the first sequences of each category held out and evaluated per category")
-        p.add_argument("--out", default=f"runs/{name}")
-        p.add_argument("--steps", type=int, default=TrainConfig.steps)
-        p.add_argument("--seqs-per-step", type=int, default=TrainConfig.seqs_per_step)
-        p.add_argument("--anchors", type=int, default=TrainConfig.anchors, help="anchors per sequence and step (all from one target forward)")
-        p.add_argument("--draft-vocab", type=int, default=TrainConfig.draft_vocab,
-                       help="reduced draft vocabulary V_d: the most frequent target-written tokens (0: the target's whole vocabulary)")
-        p.add_argument("--base-weight", type=float, default=TrainConfig.base_weight, help="weight of the base-logit loss after the curriculum")
-        p.add_argument("--hard-weight", type=float, default=TrainConfig.hard_weight,
-                       help="share of cross-entropy on the target's own tokens beside the distillation term (soft "
-                       "cross-entropy to the target's distribution, i.e. KL up to a constant): 0 pure KL, 1 pure CE "
-                       f"(default {TrainConfig.hard_weight})")
-        p.add_argument("--tapped", default=",".join(map(str, TrainConfig().tapped)), help="target layers the drafter reads")
-        p.add_argument("--layers", type=int, default=TrainConfig.layers,
-                       help="drafter layers (default: 1 for a new drafter; a resumed one keeps its own, or with "
-                            "--resume-from grows to this many: new layers start as the identity, so training continues "
-                            "from what the drafter already computes)")
-        p.add_argument("--gru", type=int, default=TrainConfig.gru)
-        p.add_argument("--rank", type=int, default=TrainConfig.rank)
-        p.add_argument("--markov-rank", type=int, default=TrainConfig.markov_rank)
-        p.add_argument("--lr", type=float, default=TrainConfig.lr)
-        p.add_argument("--eval-every", type=int, default=TrainConfig.eval_every)
-        p.add_argument("--replay-eval", action=argparse.BooleanOptionalAction, default=TrainConfig.replay_eval,
-                       help="evaluations replay the decoder on held-out prompts for tau (default); --no-replay-eval "
-                            "keeps the held-out loss and simulated figures only (replay the exported drafter later)")
-        p.add_argument("--max-minutes", type=float, default=None, help="stop cleanly after this long; rerun to resume")
+                            "undecided, and its original files label the shards written before sources were kept "
+                            "(default ../shared/prompts)")
+        add_train_config_args(p, name)
         p.add_argument("--device", default="auto", help="auto (default: a GPU when there is one, else the CPU), cpu, cuda or cuda:N")
         p.add_argument("--export", help="after training, write a bf16 copy of the drafter here")
         if name == "markov":
@@ -141,53 +110,94 @@ def add_drafter_args(steps) -> None:
                            "only the head is written and config.json points there")
         add_threads_arg(p)
         p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
-                       help="the frozen target's dtype for the teacher-forced forward (auto: bfloat16 where native, else float32)")
+                       help="the frozen target's dtype for the teacher-forced forward (auto, the default: bfloat16 where "
+                            "native, else float32)")
         p.add_argument("--compute-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                        help="the drafter's forward and backward products: bfloat16 autocast (weights, optimiser and losses "
-                            "stay float32) or float32; auto: bfloat16 where native (measured 2-2.5x faster products on AVX512-BF16)")
-        p.add_argument("--rescan-every", type=int, default=TrainConfig.rescan_every,
-                       help="steps between looks for new shards in --data, so a `dartree train data` job running beside "
-                            "training feeds it as it writes (0: never)")
-        p.add_argument("--feature-cache-gb", type=float, default=TrainConfig.feature_cache_gb,
-                       help="memory for the target's features of training sequences, so later epochs skip its forward (0: off)")
-        if name == "drafter":
-            p.add_argument("--resume-from", help="continue training these drafter weights (e.g. dartree/assets/smollm2-drafter-domino) "
-                           "at the step in its training.json, when --out has no checkpoint yet")
-            p.add_argument("--rerank-vocab", action="store_true",
-                           help="with --resume-from: re-rank the draft vocabulary on this run's data at size --draft-vocab "
-                                "(kept tokens keep their trained rows, new ones start from the target's output rows)")
-        if name == "markov":
-            p.add_argument("--init-drafter", default="runs/drafter/checkpoint", help="trained drafter whose backbone is kept")
+                            "stay float32) or float32; auto (default): bfloat16 where native")
         p.set_defaults(func=_run_train, stage=name)
+
+
+class _Switch(argparse.BooleanOptionalAction):
+    """--flag / --no-flag with the help as given (argparse before 3.14 appends its own default)."""
+
+    def __init__(self, *args, help=None, **kwargs):
+        super().__init__(*args, help=help, **kwargs)
+        self.help = help
+
+
+def add_train_config_args(p: argparse.ArgumentParser, stage: str) -> None:
+    """The ``TrainConfig`` settings ``stage``'s command line has (those declared with flags), as
+    ``TrainConfig`` declares them: flags, help, parsing, choices and the default (the step's own, where
+    it declares one). Each argument's dest is the field's name."""
+    g = p.add_argument_group("training settings")
+    for setting in TrainConfig.declarations():
+        meta = setting.metadata
+        if not meta["flags"] or stage not in meta["stages"]:
+            continue
+        default = meta["stage_defaults"].get(stage, _declared_default(setting))
+        if meta["parse"] is bool:  # --flag / --no-flag
+            shown = meta["flags"][0] if default else "--no-" + meta["flags"][0].removeprefix("--")
+            g.add_argument(*meta["flags"], dest=setting.name, action=_Switch, default=default, help=_help(meta, shown))
+            continue
+        shown = meta["shown"] or (",".join(map(str, default)) if isinstance(default, (list, tuple)) else default)
+        g.add_argument(*meta["flags"], dest=setting.name, type=_reader(setting), default=default, choices=meta["choices"],
+                       help=_help(meta, shown))
+
+
+def _help(meta: dict, shown) -> str:
+    return f"{meta['help']} (default {shown})".replace("%", "%%")  # argparse formats help with %
+
+
+def _declared_default(setting):
+    return setting.default_factory() if setting.default is dataclasses.MISSING else setting.default
+
+
+def _reader(setting):
+    """The declaration's parser as an argparse type: a value it cannot read is a usage error."""
+    parse = setting.metadata["parse"]
+    expects = {int: "an integer", float: "a number", str: "text"}.get(parse, "comma-separated integers")
+
+    def read(text: str):
+        try:
+            return parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expects}, got {text!r}") from None
+    read.__name__ = setting.name
+    return read
+
+
+def train_config(args) -> TrainConfig:
+    """The TrainConfig of the parsed arguments: every declared setting the command line has, within its
+    declared range; the others keep their defaults (``_run_train`` sets those it derives from arguments
+    of its own: --device, --compute-dtype, and checkpoints every --eval-every steps)."""
+    given = {}
+    for setting in TrainConfig.declarations():
+        if not hasattr(args, setting.name) or not setting.metadata["flags"]:
+            continue
+        value, meta = getattr(args, setting.name), setting.metadata
+        low, high = meta["low"], meta["high"]
+        if value is not None and ((low is not None and value < low) or (high is not None and value > high)):
+            bounds = f"at least {low}" if high is None else f"between {low} and {high}"
+            raise DartreeError(f"{meta['flags'][0]} must be {bounds}, got {value}")
+        given[setting.name] = value
+    return TrainConfig(**given)
 
 
 def _run_train(args) -> int:
     torch.manual_seed(0)
-    if args.layers is not None and args.layers < 1:
-        raise DartreeError(f"--layers must be at least 1, got {args.layers}")
-    if not 0.0 <= args.hard_weight <= 1.0:
-        raise DartreeError(f"--hard-weight must be between 0 and 1, got {args.hard_weight}")
+    cfg = train_config(args)  # the declared ranges, checked before anything loads
     device = resolve_device(args.device)
-    # The frozen target only computes features and teacher distributions: bf16 where it is native
-    # (measured ~1.8x faster on an AVX-512-BF16 CPU). The drafter keeps fp32 weights, optimiser and
-    # losses; its products run under bf16 autocast where bf16 is native (--compute-dtype).
+    # The frozen target only computes features and teacher distributions: bf16 where it is native.
+    # The drafter keeps fp32 weights, optimiser and losses; its products run under bf16 autocast
+    # where bf16 is native (--compute-dtype).
     dtype = inexact_work_dtype(args.dtype, device)
     target = load_target(Path(args.target) if args.target else default_target_dir(), dtype, device)
-    cfg = TrainConfig(data=args.data, out=args.out, steps=args.steps, seqs_per_step=args.seqs_per_step, anchors=args.anchors,
-                      draft_vocab=args.draft_vocab, base_weight=args.base_weight, hard_weight=args.hard_weight, tapped=[int(x) for x in args.tapped.split(",")],
-                      layers=args.layers, gru=args.gru, rank=args.rank, markov_rank=args.markov_rank, lr=args.lr,
-                      eval_every=args.eval_every, replay_eval=args.replay_eval, save_every=args.eval_every, max_minutes=args.max_minutes,
-                      device=str(device), autocast=inexact_work_dtype(args.compute_dtype, device) == torch.bfloat16,
-                      feature_cache_gb=args.feature_cache_gb, rescan_every=args.rescan_every, balance=args.balance,
-                      heldout_per_category=args.heldout_per_category)
-    if args.stage == "markov":
-        cfg.init_drafter = args.init_drafter
-    else:
-        cfg.resume_from = args.resume_from
-        cfg.rerank_vocab = args.rerank_vocab
-        if cfg.rerank_vocab and not cfg.resume_from:
-            raise DartreeError("--rerank-vocab re-ranks a resumed drafter's vocabulary; pass --resume-from too "
-                               "(a new drafter's vocabulary is always ranked on its data)")
+    cfg = dataclasses.replace(cfg, save_every=cfg.eval_every, device=str(device),
+                              autocast=inexact_work_dtype(args.compute_dtype, device) == torch.bfloat16)
+    if cfg.rerank_vocab and not cfg.resume_from:
+        raise DartreeError("--rerank-vocab re-ranks a resumed drafter's vocabulary; pass --resume-from too "
+                           "(a new drafter's vocabulary is always ranked on its data)")
     prior = None
     tokenizer = load_tokenizer(Path(args.target) if args.target else default_target_dir())
     if (args.stage == "drafter" and cfg.draft_vocab and Path(args.prompts).is_dir() and tokenizer is not None

@@ -4,6 +4,7 @@ import asyncio
 import json
 import time
 import uuid
+from dataclasses import dataclass
 
 from .. import __version__
 from ..errors import DartreeError
@@ -15,21 +16,18 @@ from .worker import EngineWorker, Job
 def create_app(pipe, defaults: GenerationSettings | None = None, model_name: str = "dartree", max_queue: int = 16,
                max_batch: int = 1):
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from fastapi.responses import PlainTextResponse
     from prometheus_client import generate_latest
 
     defaults = (defaults or GenerationSettings()).validate()
     worker = EngineWorker(pipe, max_queue=max_queue, max_batch=max_batch)
     app = FastAPI(title="dartree", version=__version__)
     app.state.worker = worker
-    tokenizer = pipe.tokenizer
-
-    def error(exc: RequestError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+    served = _Served(pipe, pipe.tokenizer, worker, defaults, model_name)
 
     @app.exception_handler(Exception)
     async def internal(_request, exc):  # the next request still works
-        return error(RequestError(f"internal error: {type(exc).__name__}: {exc}", status=500, kind="server_error"))
+        return _error(RequestError(f"internal error: {type(exc).__name__}: {exc}", status=500, kind="server_error"))
 
     @app.get("/health")
     async def health():
@@ -44,137 +42,178 @@ def create_app(pipe, defaults: GenerationSettings | None = None, model_name: str
         worker.queue_length.set(worker.jobs.qsize())
         return PlainTextResponse(generate_latest(worker.registry).decode(), media_type="text/plain; version=0.0.4")
 
-    async def completion(request: Request, chat: bool):
-        try:
-            try:
-                body = json.loads(await request.body())
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise RequestError(f"the request body is not valid JSON: {exc}") from None
-            source, settings, stop, stream, include_usage = parse_request(body, defaults, chat)
-            if tokenizer is None:
-                raise RequestError("this model has no tokenizer, so it cannot serve text requests", status=500, kind="server_error")
-            try:
-                ids = pipe.encode(messages=source) if chat else pipe.encode(input_ids=tokenizer(source)["input_ids"] or [0])
-                pipe.check_request(ids, settings)  # answered now as a 400, not later from the engine
-            except DartreeError as exc:
-                raise RequestError(str(exc)) from None
-            job = Job(ids.tolist(), settings, stop)
-            worker.submit(job)
-        except RequestError as exc:
-            return error(exc)
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        created = int(time.time())
-        kind = "chat.completion" if chat else "text_completion"
-        prompt_tokens = len(job.input_ids)
-        if stream:
-            return StreamingResponse(_stream(job, rid, created, kind, chat, prompt_tokens, include_usage),
-                                     media_type="text/event-stream")
-        text, result, finish = await _collect(job)
-        if result is None:
-            return error(RequestError(f"internal error: {finish}", status=500, kind="server_error"))
-        choice = {"index": 0, "finish_reason": finish, "logprobs": None}
-        choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
-        return {"id": rid, "object": kind, "created": created, "model": model_name, "choices": [choice],
-                "usage": _usage(prompt_tokens, result)}
-
-    def _usage(prompt_tokens, result):
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": result.stats.new_tokens,
-                "total_tokens": prompt_tokens + result.stats.new_tokens,
-                "mean_acceptance_length": result.stats.mean_acceptance}
-
-    def _finish_reason(result, assembler, max_new_tokens: int) -> str:
-        """OpenAI's: "length" when max_tokens cut the text, "stop" at a stop token or stop string."""
-        if assembler.stopped:
-            return "stop"
-        ids = result.token_ids
-        ended = bool(ids) and ids[-1] in pipe.default_stop_ids()
-        return "length" if len(ids) >= max_new_tokens and not ended else "stop"
-
-    async def _next_event(job):
-        return await asyncio.to_thread(job.events.get)
-
-    async def _collect(job):
-        assembler = TextAssembler(tokenizer, job.stop)
-        text = ""
-        while True:
-            kind, value = await _next_event(job)
-            if kind == "tokens":
-                text += assembler.add(value)
-                if assembler.stopped:
-                    job.cancelled.set()
-                    break
-            elif kind == "done":
-                text += assembler.finish()
-                return text, value, _finish_reason(value, assembler, job.settings.max_new_tokens)
-            else:
-                return "", None, value
-        # stopped by a stop string: wait for the engine to notice, then report
-        while True:
-            kind, value = await _next_event(job)
-            if kind in ("done", "cancelled", "error"):
-                stats_src = value if kind == "done" else None
-                break
-        result = stats_src if stats_src is not None else _Partial(len(assembler.ids))
-        return text, result, "stop"
-
-    async def _stream(job, rid, created, kind, chat, prompt_tokens, include_usage):
-        assembler = TextAssembler(tokenizer, job.stop)
-
-        def chunk(delta_text=None, finish=None, role=False):
-            if chat:
-                delta = {"role": "assistant", "content": ""} if role else ({"content": delta_text} if delta_text else {})
-                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-            else:
-                choice = {"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": None}
-            payload = {"id": rid, "object": kind + ".chunk" if chat else kind, "created": created, "model": model_name,
-                       "choices": [choice]}
-            if include_usage:
-                payload["usage"] = None
-            return f"data: {json.dumps(payload)}\n\n"
-
-        try:
-            if chat:
-                yield chunk(role=True)
-            result, finish = None, "stop"
-            while True:
-                event, value = await _next_event(job)
-                if event == "tokens":
-                    piece = assembler.add(value)
-                    if piece:
-                        yield chunk(piece)
-                    if assembler.stopped:
-                        job.cancelled.set()
-                elif event == "done":
-                    piece = assembler.finish()
-                    if piece:
-                        yield chunk(piece)
-                    result, finish = value, _finish_reason(value, assembler, job.settings.max_new_tokens)
-                    break
-                elif event == "cancelled":
-                    result = _Partial(len(assembler.ids))
-                    break
-                else:
-                    yield f"data: {json.dumps(RequestError(f'internal error: {value}', 500, kind='server_error').body())}\n\n"
-                    yield "data: [DONE]\n\n"
-                    return
-            yield chunk(finish=finish)
-            if include_usage:
-                payload = {"id": rid, "object": kind + ".chunk" if chat else kind, "created": created, "model": model_name,
-                           "choices": [], "usage": _usage(prompt_tokens, result)}
-                yield f"data: {json.dumps(payload)}\n\n"
-            yield "data: [DONE]\n\n"
-        finally:
-            job.cancelled.set()  # a client gone mid-stream frees the engine at its next round
-
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await completion(request, chat=True)
+        return await _completion(served, request, chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await completion(request, chat=False)
+        return await _completion(served, request, chat=False)
 
     return app
+
+
+@dataclass(frozen=True)
+class _Served:
+    """What every route of one app serves from: the pipeline, its tokenizer, the engine worker, the
+    requests' default settings and the model id /v1/models reports."""
+
+    pipe: object
+    tokenizer: object
+    worker: EngineWorker
+    defaults: GenerationSettings
+    model_name: str
+
+
+def _error(exc: RequestError):
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+def _submit(served: _Served, raw: bytes, chat: bool):
+    """A request body checked and handed to the engine: (job, stream, include_usage); a bad one is a
+    ``RequestError`` (a 400, answered now rather than later from the engine)."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise RequestError(f"the request body is not valid JSON: {exc}") from None
+    source, settings, stop, stream, include_usage = parse_request(body, served.defaults, chat)
+    if served.tokenizer is None:
+        raise RequestError("this model has no tokenizer, so it cannot serve text requests", status=500, kind="server_error")
+    pipe = served.pipe
+    try:
+        ids = pipe.encode(messages=source) if chat else pipe.encode(input_ids=served.tokenizer(source)["input_ids"] or [0])
+        pipe.check_request(ids, settings)
+    except DartreeError as exc:
+        raise RequestError(str(exc)) from None
+    job = Job(ids.tolist(), settings, stop)
+    served.worker.submit(job)
+    return job, stream, include_usage
+
+
+async def _completion(served: _Served, request, chat: bool):
+    from fastapi.responses import StreamingResponse
+
+    try:
+        job, stream, include_usage = _submit(served, await request.body(), chat)
+    except RequestError as exc:
+        return _error(exc)
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    created = int(time.time())
+    kind = "chat.completion" if chat else "text_completion"
+    prompt_tokens = len(job.input_ids)
+    if stream:
+        return StreamingResponse(_stream(served, job, rid, created, kind, chat, prompt_tokens, include_usage),
+                                 media_type="text/event-stream")
+    text, result, finish = await _collect(served, job)
+    if result is None:
+        return _error(RequestError(f"internal error: {finish}", status=500, kind="server_error"))
+    choice = {"index": 0, "finish_reason": finish, "logprobs": None}
+    choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+    return {"id": rid, "object": kind, "created": created, "model": served.model_name, "choices": [choice],
+            "usage": _usage(prompt_tokens, result)}
+
+
+def _usage(prompt_tokens, result):
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": result.stats.new_tokens,
+            "total_tokens": prompt_tokens + result.stats.new_tokens,
+            "mean_acceptance_length": result.stats.mean_acceptance}
+
+
+def _finish_reason(served: _Served, result, assembler, max_new_tokens: int) -> str:
+    """OpenAI's: "length" when max_tokens cut the text, "stop" at a stop token or stop string."""
+    if assembler.stopped:
+        return "stop"
+    ids = result.token_ids
+    ended = bool(ids) and ids[-1] in served.pipe.default_stop_ids()
+    return "length" if len(ids) >= max_new_tokens and not ended else "stop"
+
+
+async def _next_event(job):
+    return await asyncio.to_thread(job.events.get)
+
+
+async def _collect(served: _Served, job):
+    """The whole text of a job that is not streamed: (text, result, finish reason); result None: an
+    internal error, whose message is the third."""
+    assembler = TextAssembler(served.tokenizer, job.stop)
+    text = ""
+    while True:
+        kind, value = await _next_event(job)
+        if kind == "tokens":
+            text += assembler.add(value)
+            if assembler.stopped:
+                job.cancelled.set()
+                break
+        elif kind == "done":
+            text += assembler.finish()
+            return text, value, _finish_reason(served, value, assembler, job.settings.max_new_tokens)
+        else:
+            return "", None, value
+    # stopped by a stop string: wait for the engine to notice, then report
+    while True:
+        kind, value = await _next_event(job)
+        if kind in ("done", "cancelled", "error"):
+            stats_src = value if kind == "done" else None
+            break
+    result = stats_src if stats_src is not None else _Partial(len(assembler.ids))
+    return text, result, "stop"
+
+
+def _chunk(served: _Served, rid, created, kind, chat, include_usage, delta_text=None, finish=None, role=False) -> str:
+    """One server-sent event of a streamed completion, in the OpenAI chunk format."""
+    if chat:
+        delta = {"role": "assistant", "content": ""} if role else ({"content": delta_text} if delta_text else {})
+        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+    else:
+        choice = {"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": None}
+    payload = {"id": rid, "object": kind + ".chunk" if chat else kind, "created": created, "model": served.model_name,
+               "choices": [choice]}
+    if include_usage:
+        payload["usage"] = None
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+async def _stream(served: _Served, job, rid, created, kind, chat, prompt_tokens, include_usage):
+    assembler = TextAssembler(served.tokenizer, job.stop)
+
+    def chunk(delta_text=None, finish=None, role=False):
+        return _chunk(served, rid, created, kind, chat, include_usage, delta_text, finish, role)
+
+    try:
+        if chat:
+            yield chunk(role=True)
+        result, finish = None, "stop"
+        while True:
+            event, value = await _next_event(job)
+            if event == "tokens":
+                piece = assembler.add(value)
+                if piece:
+                    yield chunk(piece)
+                if assembler.stopped:
+                    job.cancelled.set()
+            elif event == "done":
+                piece = assembler.finish()
+                if piece:
+                    yield chunk(piece)
+                result, finish = value, _finish_reason(served, value, assembler, job.settings.max_new_tokens)
+                break
+            elif event == "cancelled":
+                result = _Partial(len(assembler.ids))
+                break
+            else:
+                yield f"data: {json.dumps(RequestError(f'internal error: {value}', 500, kind='server_error').body())}\n\n"
+                yield "data: [DONE]\n\n"
+                return
+        yield chunk(finish=finish)
+        if include_usage:
+            payload = {"id": rid, "object": kind + ".chunk" if chat else kind, "created": created, "model": served.model_name,
+                       "choices": [], "usage": _usage(prompt_tokens, result)}
+            yield f"data: {json.dumps(payload)}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        job.cancelled.set()  # a client gone mid-stream frees the engine at its next round
 
 
 class _Partial:

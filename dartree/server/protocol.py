@@ -9,8 +9,8 @@ from ..settings import GenerationSettings
 from ..trees import TreeSettings
 
 # dartree's own request fields (the method and every tree setting, under their declared names) ->
-# GenerationSettings keywords. ``top_k`` itself is sampling top-k, as in vLLM's OpenAI server; DARTree's
-# K (candidates per depth) is ``tree_top_k``.
+# GenerationSettings keywords. ``top_k`` is sampling top-k (``GenerationSettings.top_k``), as in vLLM's
+# OpenAI server; DARTree's K (candidates per depth) is ``tree_top_k`` (``TreeSettings.tree_top_k``).
 DART_FIELDS = {**{s.metadata["request"]: s.name for s in GenerationSettings.declarations() if s.metadata["dartree_only"]},
                **{s.metadata["request"]: s.name for s in TreeSettings.declarations()}}
 

@@ -34,7 +34,7 @@ from ..taps import LayerTap
 from ..pipeline import Pipeline
 from ..prompts import chat_token_ids, code_prompt, instruction_prompt, math_prompt
 from ..settings import GenerationSettings
-from ..target import all_growing, growing_cache
+from ..targets.hf import all_growing, growing_cache
 
 MBPP_TRAIN_IDS = set(range(511, 975)) | set(range(1, 11))  # 11..510 is MBPP's test split
 

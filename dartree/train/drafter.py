@@ -27,7 +27,7 @@ import json
 import math
 import random
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -36,61 +36,110 @@ from tqdm import tqdm
 from ..drafter import DrafterConfig, DrafterLayer, DrafterModel, PackedBlocks
 from ..errors import DartreeError
 from ..loading import load_drafter, save_drafter
-from ..bench.records import GreedyAnswers
-from ..bench.replay import replay
+from ..greedy import GreedyAnswers
 from ..pipeline import Pipeline
 from ..products import cpu_products
+from ..replay import replay
 from ..trees import DARTreeBuilder, TreeBuilder, TreeSettings
 from .data import (NON_COMMERCIAL_SOURCES, Sequence, TrainingPrompt, expanded_prompts, label_original_sources, load_shards,
                    sequence_category, shard_files, target_features)
 
 
+STAGES = ("drafter", "markov")  # the training steps after `data`: block drafter + Domino head, then a Markov head
+BALANCE = ("category", "sqrt", "none")
+
+
+def parse_layers(text: str) -> list[int]:
+    """Target layer indices as written on a command line: comma-separated integers."""
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _option(default=MISSING, help: str = "", flags: tuple[str, ...] = (), parse=None, *, factory=MISSING,
+            stages: tuple[str, ...] = STAGES, stage_defaults: dict | None = None, shown: str | None = None,
+            low=None, high=None, choices: tuple[str, ...] | None = None):
+    """One training setting's declaration, as ``settings._setting`` declares a generation setting: its
+    default (or ``factory``), what it does (the help), its command-line flags (none: set from Python, or
+    by ``dartree train`` from arguments of its own, such as --device), how to read it from text (a bool
+    is a --flag / --no-flag switch), the steps whose command line has it and a step's own default, the
+    default as the help writes it (``shown``), and the range and choices the command line accepts.
+    ``dartree train``'s arguments derive from these (``cli/train.py``)."""
+    return field(default=default, default_factory=factory, metadata={
+        "help": help, "flags": flags, "parse": parse, "stages": stages, "stage_defaults": stage_defaults or {},
+        "shown": shown, "low": low, "high": high, "choices": choices})
+
+
 @dataclass
 class TrainConfig:
-    data: str = "runs/data"  # one shard folder, or several separated by commas (read in that order)
-    out: str = "runs/drafter"
-    steps: int = 2000
-    seqs_per_step: int = 1
-    anchors: int = 64  # per sequence and step; every one comes from the same target forward
-    draft_vocab: int = 8192  # V_d; 0: the target's full output layer (coverage measured in docs/default-model.md)
-    block_size: int = 16
-    layers: int | None = None  # new runs: 1; a resumed run keeps its layers, or grows to this many (``grow_layers``)
-    gru: int = 256
-    rank: int = 64
-    markov_rank: int = 64
-    lr: float = 1e-3
-    warmup: float = 0.04
-    gamma: float = 7.0
-    hard_weight: float = 0.1  # share of hard-label CE next to the soft (distillation) CE
-    curriculum: float = 0.1
-    base_weight: float = 0.3  # lam never falls below this: the base logits stay trained at every depth
-    eval_tree_budget: int = 16  # the dartree budget whose tau replay measures on held-out prompts
-    eval_new_tokens: int = 64  # the target's greedy answer replayed per held-out prompt
-    heldout_seqs: int = 12
-    heldout_per_category: int = 4  # the first sequences of each category never trained on, evaluated per category
-    # "category": each step draws a category uniformly, then a sequence of it; "sqrt": a category with
-    # probability proportional to the square root of its sequences (a category of 3 sequences no longer
-    # takes 1/12 of the steps); "none": any sequence
-    balance: str = "category"
-    exclude_sources: tuple[str, ...] = NON_COMMERCIAL_SOURCES  # prompt files whose sequences are never trained on
-    eval_every: int = 100
-    # False: evaluations report the held-out loss and simulated figures only, not the replay tau (a run
-    # on a lent GPU, where device minutes are few, replays its exported drafter afterwards on the CPU)
-    replay_eval: bool = True
-    save_every: int = 100
-    max_minutes: float | None = None
-    seed: int = 0
-    device: str = "cpu"  # where the target and the drafter train; shards stay in CPU memory
-    init_from_target: bool = False  # measured worse than random init at equal time
-    init_drafter: str = "runs/drafter/checkpoint"  # markov step: the trained drafter whose backbone is kept
-    resume_from: str | None = None  # drafter step: continue from these weights (e.g. the shipped asset) at its training.json step
-    tapped: list[int] = field(default_factory=lambda: [1, 7, 14, 21, 27])
-    # bf16 autocast for the drafter's forward and backward (weights, optimiser, losses stay fp32):
-    # measured 2-2.5x faster matrix products on an AVX512-BF16 CPU, one thread.
-    autocast: bool = False
-    feature_cache_gb: float = 4.0  # the target's features of training sequences kept in memory (0: recompute every time)
-    rerank_vocab: bool = False  # resuming a drafter: re-rank its draft vocabulary (size draft_vocab) on this run's data
-    rescan_every: int = 200  # steps between looks for new shards (a data job may be writing them meanwhile); 0: never
+    """A training run's settings, each declared once (``_option``): defaults, help and flags."""
+
+    data: str = _option("runs/data", "shard folder written by `dartree train data`, or several separated by commas, "
+                        "read in that order", ("--data",), str)
+    out: str = _option("runs/drafter", "run folder: checkpoint, trainer state (trainer.pt) and metrics.jsonl",
+                       ("--out",), str, stage_defaults={"markov": "runs/markov"})
+    steps: int = _option(2000, "optimiser steps of the whole run; a resumed run continues up to this step", ("--steps",), int)
+    seqs_per_step: int = _option(1, "training sequences per step", ("--seqs-per-step",), int)
+    anchors: int = _option(64, "anchors per sequence and step, all from one target forward", ("--anchors",), int)
+    draft_vocab: int = _option(8192, "reduced draft vocabulary V_d: the most frequent target-written tokens; 0: the "
+                               "target's whole vocabulary", ("--draft-vocab",), int)
+    block_size: int = _option(16, "drafter block: the anchor's token, then block_size - 1 masked slots")
+    layers: int | None = _option(None, "drafter layers; a resumed drafter keeps its own, or with --resume-from grows to "
+                                 "this many (new layers start as the identity, so training continues from what the "
+                                 "drafter already computes)", ("--layers",), int, shown="1 for a new drafter", low=1)
+    gru: int = _option(256, "hidden size of the Domino head's GRU", ("--gru",), int)
+    rank: int = _option(64, "rank of the Domino head's token embedding", ("--rank",), int)
+    markov_rank: int = _option(64, "rank of the Markov head", ("--markov-rank",), int)
+    lr: float = _option(1e-3, "peak learning rate, reached by a linear warm-up, then decayed on a cosine", ("--lr",), float)
+    warmup: float = _option(0.04, "share of the steps that warm the learning rate up")
+    gamma: float = _option(7.0, "a block slot k's loss weight is exp(-k / gamma)")
+    hard_weight: float = _option(0.1, "share of cross-entropy on the target's own tokens beside the distillation term "
+                                 "(soft cross-entropy to the target's distribution, i.e. KL up to a constant): 0 pure "
+                                 "KL, 1 pure CE", ("--hard-weight",), float, low=0, high=1)
+    curriculum: float = _option(0.1, "share of the steps over which the base logits' weight lam falls from 1 to base_weight")
+    base_weight: float = _option(0.3, "weight of the base-logit loss after the curriculum (lam never falls below it, so "
+                                 "the base logits stay trained at every depth)", ("--base-weight",), float)
+    eval_tree_budget: int = _option(16, "the dartree budget whose tau replay measures on held-out prompts")
+    eval_new_tokens: int = _option(64, "tokens of the target's greedy answer replayed per held-out prompt")
+    heldout_seqs: int = _option(12, "sequences held out for evaluation, drawn among the first 256")
+    heldout_per_category: int = _option(4, "the first sequences of each category held out and evaluated per category",
+                                        ("--heldout-per-category",), int)
+    balance: str = _option("category", "category: each step draws a category uniformly, then one of its sequences; "
+                           "sqrt: a category with probability proportional to the square root of its size; none: any "
+                           f"sequence (sequences from {', '.join(NON_COMMERCIAL_SOURCES)}, licensed non-commercially, "
+                           "are never trained on)", ("--balance",), str, choices=BALANCE)
+    exclude_sources: tuple[str, ...] = _option(NON_COMMERCIAL_SOURCES, "prompt files whose sequences are never trained on")
+    eval_every: int = _option(100, "steps between held-out evaluations; from the command line, between checkpoints too",
+                              ("--eval-every",), int)
+    replay_eval: bool = _option(True, "evaluations replay the decoder on held-out prompts for tau; --no-replay-eval "
+                                "keeps the held-out loss and simulated figures only, to replay the exported drafter "
+                                "later (e.g. on a CPU after a GPU run)", ("--replay-eval",), bool)
+    save_every: int = _option(100, "steps between checkpoints")
+    max_minutes: float | None = _option(None, "stop cleanly after this long; run again to resume", ("--max-minutes",),
+                                        float, shown="no limit")
+    seed: int = _option(0, "seed of the held-out split, the drafter's initialisation and the steps' draws")
+    device: str = _option("cpu", "where the target and the drafter train; shards stay in CPU memory")
+    init_from_target: bool = _option(False, "start the drafter's layers from copies of the target's top layers")
+    init_drafter: str = _option("runs/drafter/checkpoint", "trained drafter whose backbone is kept",
+                                ("--init-drafter",), str, stages=("markov",))
+    resume_from: str | None = _option(None, "continue training these drafter weights (e.g. "
+                                      "dartree/assets/smollm2-drafter-domino) at the step in its training.json, when "
+                                      "--out has no checkpoint yet", ("--resume-from",), str, stages=("drafter",),
+                                      shown="none, a new drafter")
+    tapped: list[int] = _option(help="target layers the drafter reads", flags=("--tapped",), parse=parse_layers,
+                                factory=lambda: [1, 7, 14, 21, 27])
+    autocast: bool = _option(False, "bf16 autocast for the drafter's forward and backward (weights, optimiser and losses "
+                             "stay fp32)")
+    feature_cache_gb: float = _option(4.0, "memory for the target's features of training sequences, so later epochs "
+                                      "skip its forward; 0: off", ("--feature-cache-gb",), float)
+    rerank_vocab: bool = _option(False, "with --resume-from: re-rank the draft vocabulary on this run's data at size "
+                                 "--draft-vocab (kept tokens keep their trained rows, new ones start from the target's "
+                                 "output rows)", ("--rerank-vocab",), bool, stages=("drafter",))
+    rescan_every: int = _option(200, "steps between looks for new shards in --data, so a `dartree train data` job "
+                                "running beside training feeds it as it writes; 0: never", ("--rescan-every",), int)
+
+    @classmethod
+    def declarations(cls):
+        """The settings' dataclass fields, each with its ``metadata`` (help, flags, parse, stages, ...)."""
+        return fields(cls)
 
 
 def draft_vocabulary(seqs: list[Sequence], size: int, vocab_size: int, prior: torch.Tensor | None = None) -> torch.Tensor:
@@ -208,11 +257,11 @@ def rerank_vocabulary(model: DrafterModel, vocab: torch.Tensor, out_weight: torc
     new token's output row is the target's row (``out_weight``) mapped by the linear map that best
     carries the kept tokens' target rows to their trained rows (least squares), and its correction
     row (Domino's last layer, Markov's output layer) is the mean of the kept tokens' rows. Both
-    matter (measured on the shipped drafter, 8k -> 16k, held-out loss 4.2 before): the target's rows
-    taken raw gave 26, the mapped rows with zero correction rows 16.6, because the trained
-    correction carries a large shift common to every kept token (free under the softmax) that a
-    zero row lacks, so the new tokens took 94 % of the corrected probability. Returns how many
-    tokens were kept, added and dropped."""
+    matter: the trained correction carries a large shift common to every kept token (free under the
+    softmax) that a zero row lacks, so with zero correction rows the new tokens would take most of
+    the corrected probability (on the shipped drafter, 8k -> 16k: held-out loss 5.0 with both
+    choices, 16.6 with zero correction rows; docs/experiments.md). Returns how many tokens were
+    kept, added and dropped."""
     if model.d2t is None:
         raise DartreeError("the drafter has the target's full output layer; there is no draft vocabulary to re-rank")
     vocab = vocab.to(model.d2t.device).long()
@@ -307,20 +356,6 @@ def heldout_prompts(prompts_dir: str | Path, per_file: int) -> list[TrainingProm
     return out
 
 
-def heldout_replay_items(pipe: Pipeline, prompts_dir: str | Path, per_file: int, per_benchmark: int) -> list[tuple[str, torch.Tensor]]:
-    """(category, prompt ids) of the held-out replay prompts: ``heldout_prompts`` by their categories,
-    then the first turns of ``per_benchmark`` MT-Bench and AlpacaEval prompts (categories "mt-bench",
-    "alpaca"), each in the chat template."""
-    from ..bench.datasets import load_samples, select
-
-    items = [(p.category, pipe.encode(messages=[{"role": "user", "content": p.text}]))
-             for p in heldout_prompts(prompts_dir, per_file)]
-    for dataset in ("mt-bench", "alpaca"):
-        items += [(dataset, pipe.encode(messages=[{"role": "user", "content": s.turns[0]}]))
-                  for s in select(load_samples(dataset), per_benchmark)]
-    return items
-
-
 @torch.no_grad()
 def replay_tau_by_category(pipe: Pipeline, items: list[tuple[str, torch.Tensor]], builders: dict[str, TreeBuilder],
                            max_new_tokens: int, greedy_path: Path | None = None) -> dict[str, dict[str, float]]:
@@ -369,20 +404,33 @@ class Trainer:
         # features faster): fp32 copies of the frozen embedding and output layer it borrows.
         self.embed = torch.nn.Embedding.from_pretrained(target.get_input_embeddings().weight.float(), freeze=True)
         self.out_weight = target.get_output_embeddings().weight.float()
-        n_layers = target.config.num_hidden_layers
+        self._check_settings(target)
+        self.tokenizer = tokenizer
+        self._shards = self._shard_files()
+        self._split_data(self._load(self._shards))
+        self.rng = random.Random(cfg.seed + 1)
+        self._feature_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._feature_cache_bytes = 0
+        state = self._start_model(target, vocab_prior)
+        self._prepare_training(target, state)
+        self.log = open(self.out / "metrics.jsonl", "a")
+
+    def _check_settings(self, target) -> None:
+        cfg, n_layers = self.cfg, target.config.num_hidden_layers
         bad = [i for i in cfg.tapped if not 0 <= i < n_layers]
         if bad:
             raise DartreeError(f"tapped layers {bad} are out of range for a target with {n_layers} layers (0..{n_layers - 1})")
         if cfg.balance not in BALANCE:
             raise DartreeError(f"balance must be one of {', '.join(BALANCE)}, got {cfg.balance!r}")
-        self.tokenizer = tokenizer
-        self._shards = self._shard_files()
-        seqs = self._load(self._shards)
+
+    def _split_data(self, seqs: list[Sequence]) -> None:
+        """The held-out sequences (``heldout``, ``heldout_by_category``) and the training ones."""
+        cfg = self.cfg
         if len(seqs) <= cfg.heldout_seqs:
             raise DartreeError(f"{cfg.data} holds {len(seqs)} usable sequences; training needs more than the "
                                f"{cfg.heldout_seqs} held out for evaluation")
         # Held-out sequences are drawn from the first 256 only (the first shards), so that data added
-        # in later sessions never moves a held-out sequence into training or the reverse; likewise the
+        # later never moves a held-out sequence into training or the reverse; likewise the
         # held-out sequences of each category are its first ones in shard order.
         held = set(random.Random(cfg.seed).sample(range(min(len(seqs), 256)), min(cfg.heldout_seqs, len(seqs) - 1)))
         self.heldout = [seqs[i] for i in sorted(held)]
@@ -396,9 +444,11 @@ class Trainer:
         self.train_seqs: list[Sequence] = []
         self._by_category: dict[str, list[int]] = {}
         self._add_training([seqs[i] for i in range(len(seqs)) if i not in held])
-        self.rng = random.Random(cfg.seed + 1)
-        self._feature_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._feature_cache_bytes = 0
+
+    def _start_model(self, target, vocab_prior: torch.Tensor | None) -> dict | None:
+        """``model`` and ``step``: the run folder's checkpoint, a committed drafter to resume from, or a
+        new model. Returns the trainer state to restore the optimiser from (the checkpoint's), or None."""
+        cfg = self.cfg
         ckpt = self.out / "checkpoint"
         if (ckpt / "config.json").is_file():
             self.model = load_drafter(ckpt)
@@ -409,49 +459,55 @@ class Trainer:
             state = torch.load(self.out / "trainer.pt", weights_only=False, map_location="cpu")
             self.step = state["step"]
             self.rng.setstate(state["rng"])
-        elif cfg.resume_from and stage == "drafter":
-            # A committed drafter (the optimiser state stayed on another machine): same weights, the
-            # schedule continues at the recorded step, the optimiser's moments start afresh.
-            self.model = load_drafter(cfg.resume_from)
-            record = Path(cfg.resume_from) / TRAINING_RECORD
-            self.step = json.loads(record.read_text())["step"] if record.is_file() else 0
-            self.rng = random.Random(cfg.seed + 1 + self.step)
-            if cfg.layers:
-                grow_layers(self.model, cfg.layers, cfg.seed)
-            if cfg.rerank_vocab:
-                vocab = draft_vocabulary(self.train_seqs, cfg.draft_vocab, target.config.vocab_size, vocab_prior)
-                counts = rerank_vocabulary(self.model, vocab, self.out_weight)
-                print(f"draft vocabulary re-ranked on this run's data: {counts['kept']} tokens kept, "
-                      f"{counts['added']} added, {counts['dropped']} dropped")
-            state = None
+            return state
+        if cfg.resume_from and self.stage == "drafter":
+            self._resume_committed(target, vocab_prior)
+            return None
+        self.step = 0
+        if self.stage == "markov":
+            base = load_drafter(cfg.init_drafter)
+            vocab = None if base.d2t is None else base.draft_to_target(torch.arange(base.config.output_vocab_size))
+            self.model = new_drafter(target, replace(cfg, layers=base.config.num_hidden_layers), "markov", vocab)
+            own = self.model.state_dict()
+            own.update({k: v for k, v in base.state_dict().items() if not k.startswith("head.")})
+            self.model.load_state_dict(own)
         else:
-            self.step = 0
-            if stage == "markov":
-                base = load_drafter(cfg.init_drafter)
-                vocab = None if base.d2t is None else base.draft_to_target(torch.arange(base.config.output_vocab_size))
-                self.model = new_drafter(target, replace(cfg, layers=base.config.num_hidden_layers), "markov", vocab)
-                own = self.model.state_dict()
-                own.update({k: v for k, v in base.state_dict().items() if not k.startswith("head.")})
-                self.model.load_state_dict(own)
-            else:
-                vocab = (draft_vocabulary(self.train_seqs, cfg.draft_vocab, target.config.vocab_size, vocab_prior)
-                         if cfg.draft_vocab else None)
-                self.model = new_drafter(target, cfg, "domino", vocab)
-            state = None
+            vocab = (draft_vocabulary(self.train_seqs, cfg.draft_vocab, target.config.vocab_size, vocab_prior)
+                     if cfg.draft_vocab else None)
+            self.model = new_drafter(target, cfg, "domino", vocab)
+        return None
+
+    def _resume_committed(self, target, vocab_prior: torch.Tensor | None) -> None:
+        cfg = self.cfg
+        # A shipped drafter (its folder holds no optimiser state): same weights, the
+        # schedule continues at the recorded step, the optimiser's moments start afresh.
+        self.model = load_drafter(cfg.resume_from)
+        record = Path(cfg.resume_from) / TRAINING_RECORD
+        self.step = json.loads(record.read_text())["step"] if record.is_file() else 0
+        self.rng = random.Random(cfg.seed + 1 + self.step)
+        if cfg.layers:
+            grow_layers(self.model, cfg.layers, cfg.seed)
+        if cfg.rerank_vocab:
+            vocab = draft_vocabulary(self.train_seqs, cfg.draft_vocab, target.config.vocab_size, vocab_prior)
+            counts = rerank_vocabulary(self.model, vocab, self.out_weight)
+            print(f"draft vocabulary re-ranked on this run's data: {counts['kept']} tokens kept, "
+                  f"{counts['added']} added, {counts['dropped']} dropped")
+
+    def _prepare_training(self, target, state: dict | None) -> None:
+        """The model on the device, its vocabulary maps, the head bound, the trained parameters and their optimiser."""
         self.model.to(self.device).train()
         self.vocab_ids = self.model.draft_to_target(torch.arange(self.model.config.output_vocab_size, device=self.device))
         self.teacher_rows = self.out_weight[self.vocab_ids]  # the target's logits restricted to the draft vocabulary
         self.to_draft = self.model.target_to_draft(target.config.vocab_size)
         if self.model.head is not None:
             self.model.head.bind(self.embed, self.model.d2t)
-        if stage == "markov":
+        if self.stage == "markov":
             for name, p in self.model.named_parameters():
                 p.requires_grad_(name.startswith("head."))
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
+        self.opt = torch.optim.AdamW(params, lr=self.cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
         if state is not None:
             self.opt.load_state_dict(state["opt"])
-        self.log = open(self.out / "metrics.jsonl", "a")
 
     def _shard_files(self) -> list[Path]:
         return [f for folder in self.cfg.data.split(",") if folder.strip() for f in shard_files(folder.strip())]
@@ -668,12 +724,11 @@ class Trainer:
 
 
 TRAINING_RECORD = "training.json"
-BALANCE = ("category", "sqrt", "none")
 
 
 def export(checkpoint: str | Path, dest: str | Path, dtype=torch.bfloat16, shared_backbone: str | None = None) -> None:
     """Write a shippable copy of a checkpoint (smaller dtype; loading casts back), with a record of
-    how it was trained (step, settings, data) so that a later session can resume from it.
+    how it was trained (step, settings, data) so that a later run can resume from it.
     ``shared_backbone``: as in ``save_drafter`` (a head trained on a frozen, already shipped backbone)."""
     model = load_drafter(checkpoint)
     model.to(dtype)

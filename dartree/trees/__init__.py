@@ -23,7 +23,7 @@ def available_methods(has_drafter: bool, has_head: bool) -> tuple[str, ...]:
     """The methods a pipeline can run: plain decoding always, drafter methods with a drafter, the
     corrected ones only with a head."""
     return tuple(name for name, b in BUILDERS.items()
-                 if (has_drafter or not b.uses_drafter) and (has_head or not b.needs_head))
+                 if (has_drafter or b.proposer != "drafter") and (has_head or not b.needs_head))
 
 
 def builder_class(method: str, others: tuple[str, ...] = ()) -> type[TreeBuilder] | None:

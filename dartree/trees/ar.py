@@ -11,7 +11,7 @@ class AutoregressiveBuilder(TreeBuilder):
     """No draft at all: each round verifies only the root, i.e. plain decoding."""
 
     name = "ar"
-    uses_drafter = False
+    proposer = None
 
-    def build(self, draft, head, size):
+    def build(self, draft, head, budget):
         return DraftTree.empty()

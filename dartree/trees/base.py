@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, fields, replace
 
@@ -15,6 +16,42 @@ def parse_budget(text: str) -> int | str:
     return text if text == "auto" else int(text)
 
 
+def refuse_retired(**renamed: str):
+    """A class decorator: each keyword ``old=new`` of ``renamed`` is a retired spelling of a setting
+    that is now ``new``; giving it to the class (or to ``GenerationSettings.from_kwargs``) is a
+    ``DartreeError`` that names the new spelling, not a bare ``TypeError``. ``cls.retired`` keeps the map."""
+
+    def wrap(cls):
+        init = cls.__init__
+
+        @functools.wraps(init)
+        def __init__(self, *args, **kwargs):
+            check_retired(cls.__name__, cls.retired, kwargs)
+            init(self, *args, **kwargs)
+
+        cls.__init__ = __init__
+        cls.retired = dict(renamed)
+        return cls
+
+    return wrap
+
+
+def check_retired(owner: str, retired: dict[str, str], names) -> None:
+    """A ``DartreeError`` naming the new spelling when ``names`` holds a retired one of ``retired``."""
+    old = sorted(set(names) & set(retired))
+    if old:
+        raise DartreeError("; ".join(f"{owner}: {name!r} was renamed {retired[name]!r}" + RETIRED_NOTES.get(name, "")
+                                     for name in old))
+
+
+# Why a spelling was retired, where the old name now means something else.
+RETIRED_NOTES = {
+    "top_k": " (DARTree's K, candidate tokens per depth); top_k is now sampling top-k (GenerationSettings.top_k, "
+             "generate(top_k=...), --top-k)",
+    "sampling_top_k": " (sampling top-k of the target, as in Hugging Face and vLLM); DARTree's K is tree_top_k",
+}
+
+
 def _setting(default, help: str, flags: tuple[str, ...], request: str, key: str, parse=int):
     """One tree setting's declaration: its default, its help, its command-line flags, its name as a
     request field of ``dartree serve``, its short name in a bench configuration's key (``B=16``) and
@@ -26,6 +63,7 @@ def _setting(default, help: str, flags: tuple[str, ...], request: str, key: str,
                                             "expects": expects})
 
 
+@refuse_retired(top_k="tree_top_k")
 @dataclass(frozen=True)
 class TreeSettings:
     """The tree settings and their defaults (the paper's), in one place; each builder declares which
@@ -35,8 +73,8 @@ class TreeSettings:
         "auto", "tree nodes verified per round, root excluded, or 'auto' (chosen every round from the measured cost model)",
         ("--budget", "-B"), "budget", "B", parse_budget)
     width: int = _setting(12, "branches kept per depth", ("--width", "-W"), "width", "W")  # W
-    # K; a request's "top_k" is sampling top-k, as in vLLM, so DARTree's K is "tree_top_k" there
-    top_k: int = _setting(64, "candidate tokens per depth", ("--top-k", "-K"), "tree_top_k", "K")
+    # K; "top_k" is sampling top-k everywhere (as in Hugging Face and vLLM), so DARTree's K is "tree_top_k"
+    tree_top_k: int = _setting(64, "DARTree's K: candidate tokens per depth", ("--tree-top-k", "-K"), "tree_top_k", "K")
     beta: float = _setting(-0.2, "depth bonus of the final top-B, must be <= 0", ("--beta",), "beta", "beta", float)
     max_budget: int = _setting(64, "with --budget auto: the largest tree built each round", ("--max-budget",), "max_budget",
                                "max")
@@ -51,14 +89,14 @@ class TreeSettings:
         return self.budget == "auto"
 
     @property
-    def build_size(self) -> int:
-        """The size builders build at: the budget, or ``max_budget`` when the budget is chosen per round."""
+    def build_budget(self) -> int:
+        """The budget builders build at: the budget, or ``max_budget`` when the budget is chosen per round."""
         return self.max_budget if self.auto else self.budget
 
     def validate(self) -> "TreeSettings":
         if isinstance(self.budget, str) and self.budget != "auto":
             raise DartreeError(f"budget must be an integer >= 1 or 'auto', got {self.budget!r}")
-        for name in ("width", "top_k", "max_budget") + (() if self.auto else ("budget",)):
+        for name in ("width", "tree_top_k", "max_budget") + (() if self.auto else ("budget",)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise DartreeError(f"{name} must be an integer >= 1, got {value!r}")
@@ -93,7 +131,7 @@ class TreeBuilder:
     and implement ``build``; ``@register`` makes them a method."""
 
     name = ""
-    uses_drafter = True  # False: no drafter call at all (plain decoding)
+    proposer: str | None = "drafter"  # the registered proposer its trees are built from (None: plain decoding)
     needs_head = False  # True: needs a correction head (Domino or Markov)
     reads: tuple[str, ...] = ()  # the TreeSettings fields this method uses
     ranked = False  # True: its trees carry a ranking whose prefixes are trees (budget "auto" cuts them)
@@ -117,36 +155,36 @@ class TreeBuilder:
         budget policy cuts each round's tree to the prefix worth verifying."""
         return self.ranked and self.settings.auto
 
-    def build(self, draft, head: CorrectionHead | None, size: int) -> DraftTree:
-        """The tree over draft ids (the draft's output vocabulary), of at most ``size`` nodes."""
+    def build(self, draft, head: CorrectionHead | None, budget: int) -> DraftTree:
+        """The tree over draft ids (the draft's output vocabulary), of at most ``budget`` nodes."""
         raise NotImplementedError
 
     @staticmethod
     def build_many(builders: list["TreeBuilder"], drafts: list, head: CorrectionHead | None,
-                   sizes: list[int]) -> list[DraftTree]:
+                   budgets: list[int]) -> list[DraftTree]:
         """The trees of several requests of one method (over draft ids, as ``build``): one at a time
         here; a method whose expansion batches across requests overrides it (``dartree``)."""
-        return [b.build(d, head, n) for b, d, n in zip(builders, drafts, sizes)]
+        return [b.build(d, head, n) for b, d, n in zip(builders, drafts, budgets)]
 
-    def build_tree(self, draft, head: CorrectionHead | None, size: int | None = None) -> DraftTree:
-        """The tree over target ids, ready to verify. ``size``: build at most this many nodes this
-        round instead of ``settings.build_size`` (budget "auto" builds no more than it may verify)."""
-        return build_trees([self], [draft], head, [size])[0]
+    def build_tree(self, draft, head: CorrectionHead | None, budget: int | None = None) -> DraftTree:
+        """The tree over target ids, ready to verify. ``budget``: build at most this many nodes this
+        round instead of ``settings.build_budget`` (budget "auto" builds no more than it may verify)."""
+        return build_trees([self], [draft], head, [budget])[0]
 
 
 def build_trees(builders: list[TreeBuilder], drafts: list, head: CorrectionHead | None,
-                sizes: list[int | None]) -> list[DraftTree]:
-    """Each request's tree over target ids, ready to verify (``sizes[i]``: build at most this many
-    nodes instead of ``settings.build_size``; budget "auto" builds no more than it may verify).
+                budgets: list[int | None]) -> list[DraftTree]:
+    """Each request's tree over target ids, ready to verify (``budgets[i]``: build at most this many
+    nodes instead of ``settings.build_budget``; budget "auto" builds no more than it may verify).
     Requests of one method and the same settings are built together (``TreeBuilder.build_many``)."""
-    sizes = [b.settings.build_size if n is None else n for b, n in zip(builders, sizes)]
+    budgets = [b.settings.build_budget if n is None else n for b, n in zip(builders, budgets)]
     trees: list[DraftTree | None] = [None] * len(builders)
     groups: dict[tuple, list[int]] = {}
     for i, b in enumerate(builders):
         groups.setdefault((type(b), b.settings), []).append(i)
     for members in groups.values():
         kind = type(builders[members[0]])
-        built = kind.build_many([builders[i] for i in members], [drafts[i] for i in members], head, [sizes[i] for i in members])
+        built = kind.build_many([builders[i] for i in members], [drafts[i] for i in members], head, [budgets[i] for i in members])
         for i, tree in zip(members, built):
             draft = drafts[i]
             if getattr(draft, "d2t", None) is not None and len(tree):

@@ -61,12 +61,12 @@ def corrected_chain_logits(draft, head: CorrectionHead) -> tuple[torch.Tensor, t
     state = head.initial_state(draft.bonus)
     rows, tokens = [], []
     depth_count = draft.base_logits.shape[0]
-    for slot in range(depth_count):
-        logits = head.logits(rnd, slot, state)[0]
+    for depth in range(depth_count):  # the token at depth + 1, after the path to depth
+        logits = head.logits(rnd, depth, state)[0]
         token = logits.argmax()
         rows.append(logits)
         tokens.append(token)
-        if slot + 1 < depth_count:
+        if depth + 1 < depth_count:
             state = head.advance(state, token[None])
     return torch.stack(tokens), torch.stack(rows)
 
@@ -89,6 +89,6 @@ def select_top_b(prune_scores: torch.Tensor, parents: torch.Tensor, budget: int)
     return order[:budget].sort().values
 
 
-def candidate_tables(draft, top_k: int) -> torch.Tensor:
+def candidate_tables(draft, tree_top_k: int) -> torch.Tensor:
     """C_d: the top-K base tokens of every depth, shared by all branches. [D, K]"""
-    return draft.base_logits.topk(min(top_k, draft.base_logits.shape[-1]), dim=-1).indices
+    return draft.base_logits.topk(min(tree_top_k, draft.base_logits.shape[-1]), dim=-1).indices

@@ -21,10 +21,11 @@ class Supertree:
     scores: torch.Tensor  # cumulative log-probability of each node's path
 
 
-def grow_supertree(draft, head: CorrectionHead, top_k: int, quotas, budget: int | None = None, beta: float = 0.0) -> Supertree:
+def grow_supertree(draft, head: CorrectionHead, tree_top_k: int, quotas, budget: int | None = None, beta: float = 0.0) -> Supertree:
     """Depth-wise batched expansion: every live branch is corrected in one batch per depth.
 
-    ``quotas(slot, placed)`` gives how many (branch, candidate) pairs to keep at a depth; they are
+    ``quotas(depth, placed)`` gives how many (branch, candidate) pairs to keep at depth + 1 (the
+    children of the frontier at ``depth``, the root's 0), ``placed`` nodes placed so far; they are
     the global top-n of the [F, K] matrix of cumulative scores (a beam across branches).
 
     With ``budget`` (the deferred top-B that follows), expansion stops as soon as no deeper node
@@ -32,7 +33,7 @@ def grow_supertree(draft, head: CorrectionHead, top_k: int, quotas, budget: int 
     extra depth, and loses ties to the shallower (smaller-row) nodes already placed. The selected
     tree is unchanged; only work that could not matter is skipped.
     """
-    cands = candidate_tables(draft, top_k)
+    cands = candidate_tables(draft, tree_top_k)
     depth_count, k = cands.shape
     rnd = head.start_round(draft.hidden, draft.base_logits)
     states = head.initial_state(draft.bonus)  # [F, S]
@@ -40,18 +41,18 @@ def grow_supertree(draft, head: CorrectionHead, top_k: int, quotas, budget: int 
     rows = torch.zeros(1, dtype=torch.long, device=cands.device)  # [F] tree rows of the frontier
     out_tokens, out_parents, out_depths, out_scores = [], [], [], []
     placed = 0
-    for slot in range(depth_count):
-        n = min(quotas(slot, placed), scores.numel() * k)
+    for depth in range(depth_count):  # the frontier at depth grows the nodes at depth + 1
+        n = min(quotas(depth, placed), scores.numel() * k)
         if n <= 0:
             break
-        logprobs = head.logits(rnd, slot, states, cands[slot]).log_softmax(-1).clamp(max=0)
+        logprobs = head.logits(rnd, depth, states, cands[depth]).log_softmax(-1).clamp(max=0)
         total = (scores[:, None] + logprobs).flatten()
         top_scores, flat = total.topk(n)
         branch, cand = flat // k, flat % k
-        tokens = cands[slot][cand]
+        tokens = cands[depth][cand]
         out_tokens.append(tokens)
         out_parents.append(rows[branch])
-        out_depths.append(torch.full((n,), slot + 1, dtype=torch.long, device=cands.device))
+        out_depths.append(torch.full((n,), depth + 1, dtype=torch.long, device=cands.device))
         out_scores.append(top_scores)
         rows = torch.arange(placed + 1, placed + 1 + n, device=cands.device)
         placed += n
@@ -59,14 +60,14 @@ def grow_supertree(draft, head: CorrectionHead, top_k: int, quotas, budget: int 
         if budget is not None and placed >= budget:
             prune = torch.cat([sc + beta * (d + 1) for d, sc in enumerate(out_scores)])
             threshold = prune.topk(budget).values[-1]
-            if bool(scores.max() + beta * (slot + 2) <= threshold):
+            if bool(scores.max() + beta * (depth + 2) <= threshold):
                 break
-        if slot + 1 < depth_count:
+        if depth + 1 < depth_count:
             states = head.advance(states, tokens, rows=branch)
     return Supertree(torch.cat(out_tokens), torch.cat(out_parents), torch.cat(out_depths), torch.cat(out_scores))
 
 
-def grow_supertrees(drafts: list, head: CorrectionHead, top_k: int, width: int, budgets: list[int],
+def grow_supertrees(drafts: list, head: CorrectionHead, tree_top_k: int, width: int, budgets: list[int],
                     beta: float = 0.0) -> list[Supertree]:
     """``grow_supertree`` (beam of ``width`` per depth, early stop under each request's deferred
     top-B) for several requests' drafts at once: every live branch of every request is corrected in
@@ -74,7 +75,7 @@ def grow_supertrees(drafts: list, head: CorrectionHead, top_k: int, width: int, 
     ``width`` and a depth's candidates outnumber it), so the batch needs no padding; a request whose
     expansion can no longer change its top-B leaves the batch."""
     device = drafts[0].base_logits.device
-    cands = torch.stack([candidate_tables(d, top_k) for d in drafts])  # [R, D, K]
+    cands = torch.stack([candidate_tables(d, tree_top_k) for d in drafts])  # [R, D, K]
     requests, depth_count, k = cands.shape
     rounds = [head.start_round(d.hidden, d.base_logits) for d in drafts]
     states = torch.cat([head.initial_state(d.bonus) for d in drafts])  # [L * F, S], F = 1 at the root
@@ -85,21 +86,21 @@ def grow_supertrees(drafts: list, head: CorrectionHead, top_k: int, width: int, 
     outputs: list[tuple[torch.Tensor, ...]] = []  # per depth: (live, tokens, parents, scores), [L, n] each
     prune = torch.empty(requests, 0, dtype=scores.dtype, device=device)  # [R, placed]
     placed = 0
-    for slot in range(depth_count):
+    for depth in range(depth_count):  # the frontier at depth grows the nodes at depth + 1
         frontier = scores.shape[1]
         n = min(width, frontier * k)
-        logprobs = head.logits_batch([rounds[i] for i in live.tolist()], slot, states, cands[live, slot])
+        logprobs = head.logits_batch([rounds[i] for i in live.tolist()], depth, states, cands[live, depth])
         logprobs = logprobs.log_softmax(-1).clamp(max=0).view(live.numel(), frontier, k)
         total = (scores[:, :, None] + logprobs).flatten(1)  # [L, F * K]
         top_scores, flat = total.topk(n, dim=1)
         branch, cand = flat // k, flat % k
-        tokens = cands[live, slot].gather(1, cand)
+        tokens = cands[live, depth].gather(1, cand)
         outputs.append((live, tokens, rows.gather(1, branch), top_scores))
         rows = torch.arange(placed + 1, placed + 1 + n, device=device).expand(live.numel(), n)
         placed += n
         scores = top_scores
         grown = torch.full((requests, n), float("-inf"), dtype=scores.dtype, device=device)
-        grown[live] = top_scores + beta * (slot + 1)
+        grown[live] = top_scores + beta * (depth + 1)
         prune = torch.cat([prune, grown], dim=1)
         # a request stops once no deeper node can enter its top-B (as grow_supertree)
         keep = torch.ones(live.numel(), dtype=torch.bool, device=device)
@@ -107,8 +108,8 @@ def grow_supertrees(drafts: list, head: CorrectionHead, top_k: int, width: int, 
         if bool(full.any()):
             ranked = prune[live].sort(dim=1, descending=True).values
             threshold = ranked.gather(1, (budget[live].clamp(max=placed) - 1)[:, None])[:, 0]
-            keep = ~(full & (scores.max(dim=1).values + beta * (slot + 2) <= threshold))
-        if slot + 1 == depth_count or not bool(keep.any()):
+            keep = ~(full & (scores.max(dim=1).values + beta * (depth + 2) <= threshold))
+        if depth + 1 == depth_count or not bool(keep.any()):
             break
         parent_rows = (torch.arange(live.numel(), device=device)[:, None] * frontier + branch)[keep].flatten()
         states = head.advance(states, tokens[keep].flatten(), rows=parent_rows)
@@ -123,10 +124,10 @@ def grow_supertrees(drafts: list, head: CorrectionHead, top_k: int, width: int, 
     return trees
 
 
-def _ranked_top_b(st: Supertree, size: int, beta: float) -> DraftTree:
+def _ranked_top_b(st: Supertree, budget: int, beta: float) -> DraftTree:
     """The deferred global top-B of a supertree, ranked (every prefix of the rank is a tree)."""
     prune = st.scores + beta * st.depths.to(st.scores.dtype)
-    keep = select_top_b(prune, st.parents, size)
+    keep = select_top_b(prune, st.parents, budget)
     tree = subtree(st.tokens, st.parents, st.depths, keep)
     # The deferred top-B order itself: every prefix is the top-b tree (Lemma 1; ties to the smaller
     # row, which is the parent), so a per-round budget can cut the tree without rebuilding it.
@@ -142,20 +143,20 @@ class DARTreeBuilder(TreeBuilder):
     name = "dartree"
     ranked = True
     needs_head = True
-    reads = ("budget", "width", "top_k", "beta")
+    reads = ("budget", "width", "tree_top_k", "beta")
 
-    def build(self, draft, head, size):
+    def build(self, draft, head, budget):
         s = self.settings
-        st = grow_supertree(draft, head, s.top_k, lambda slot, placed: s.width, budget=size, beta=s.beta)
-        return _ranked_top_b(st, size, s.beta)
+        st = grow_supertree(draft, head, s.tree_top_k, lambda depth, placed: s.width, budget=budget, beta=s.beta)
+        return _ranked_top_b(st, budget, s.beta)
 
     @staticmethod
-    def build_many(builders, drafts, head, sizes):
+    def build_many(builders, drafts, head, budgets):
         if len(builders) == 1:
-            return [builders[0].build(drafts[0], head, sizes[0])]
+            return [builders[0].build(drafts[0], head, budgets[0])]
         s = builders[0].settings  # one group shares its settings (trees.build_trees)
-        grown = grow_supertrees(drafts, head, s.top_k, s.width, sizes, beta=s.beta)
-        return [_ranked_top_b(st, n, s.beta) for st, n in zip(grown, sizes)]
+        grown = grow_supertrees(drafts, head, s.tree_top_k, s.width, budgets, beta=s.beta)
+        return [_ranked_top_b(st, n, s.beta) for st, n in zip(grown, budgets)]
 
 
 @register
@@ -164,14 +165,13 @@ class DARTreeFixedBuilder(TreeBuilder):
 
     name = "dartree-fixed"
     needs_head = True
-    reads = ("budget", "top_k")
+    reads = ("budget", "tree_top_k")
 
-    def build(self, draft, head, size):
-        budget = size
+    def build(self, draft, head, budget):
         depth_count = draft.base_logits.shape[0]
 
-        def quota(slot, placed):
-            return -(-(budget - placed) // (depth_count - slot))
+        def quota(depth, placed):
+            return -(-(budget - placed) // (depth_count - depth))
 
-        st = grow_supertree(draft, head, self.settings.top_k, quota)
+        st = grow_supertree(draft, head, self.settings.tree_top_k, quota)
         return DraftTree(st.tokens, st.parents, st.depths)

@@ -12,5 +12,5 @@ class DDTreeBuilder(TreeBuilder):
     ranked = True
     reads = ("budget",)
 
-    def build(self, draft, head, size):
-        return best_first_marginals(draft.base_logits.log_softmax(-1), size)
+    def build(self, draft, head, budget):
+        return best_first_marginals(draft.base_logits.log_softmax(-1), budget)

@@ -10,5 +10,5 @@ from .tree import DraftTree
 class DFlashBuilder(TreeBuilder):
     name = "dflash"
 
-    def build(self, draft, head, size):
+    def build(self, draft, head, budget):
         return DraftTree.chain(draft.base_logits.argmax(-1))

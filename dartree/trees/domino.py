@@ -12,6 +12,6 @@ class DominoBuilder(TreeBuilder):
     name = "domino"
     needs_head = True
 
-    def build(self, draft, head, size):
+    def build(self, draft, head, budget):
         tokens, _ = corrected_chain_logits(draft, head)
         return DraftTree.chain(tokens)

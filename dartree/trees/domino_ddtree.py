@@ -13,6 +13,6 @@ class DominoDDTreeBuilder(TreeBuilder):
     needs_head = True
     reads = ("budget",)
 
-    def build(self, draft, head, size):
+    def build(self, draft, head, budget):
         _, logits = corrected_chain_logits(draft, head)
-        return best_first_marginals(logits.log_softmax(-1), size)
+        return best_first_marginals(logits.log_softmax(-1), budget)

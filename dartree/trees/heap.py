@@ -23,18 +23,18 @@ class HeapBuilder(TreeBuilder):
     name = "heap"
     ranked = True
     needs_head = True
-    reads = ("budget", "top_k", "beta")
+    reads = ("budget", "tree_top_k", "beta")
 
-    def build(self, draft, head, size):
+    def build(self, draft, head, budget):
         s = self.settings
-        cands = candidate_tables(draft, s.top_k)
+        cands = candidate_tables(draft, s.tree_top_k)
         depth_count = cands.shape[0]
         rnd = head.start_round(draft.hidden, draft.base_logits)
 
-        def expand(state, slot):
-            lp = head.logits(rnd, slot, state, cands[slot])[0].log_softmax(-1).clamp(max=0)
+        def expand(state, depth):  # the children of a node at ``depth`` (the root's: 0), at depth + 1
+            lp = head.logits(rnd, depth, state, cands[depth])[0].log_softmax(-1).clamp(max=0)
             lp_sorted, order = lp.sort(descending=True)
-            return lp_sorted.tolist(), cands[slot][order].tolist()
+            return lp_sorted.tolist(), cands[depth][order].tolist()
 
         # Per expanded row: (child log-probs sorted, child tokens sorted, state of that row).
         root_state = head.initial_state(draft.bonus)
@@ -44,7 +44,7 @@ class HeapBuilder(TreeBuilder):
         heap = [(-(root_lps[0] + s.beta), 0, 0, 1, 0, 0.0)]
         tokens, parents, depths, scores = [], [], [], []
         tie = 1
-        while heap and len(tokens) < size:
+        while heap and len(tokens) < budget:
             _, _, parent, depth, rank, parent_score = heapq.heappop(heap)
             lps, toks, parent_state = expanded[parent]
             token, score = toks[rank], parent_score + lps[rank]

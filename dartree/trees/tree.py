@@ -20,18 +20,18 @@ class DraftTree:
     log_probs: torch.Tensor | None = None  # [N]
     rank: torch.Tensor | None = None  # [N] node indices
 
-    def prefix(self, size: int) -> "DraftTree":
-        """The tree of the ``size`` best-ranked nodes (parents always rank before their children)."""
+    def prefix(self, budget: int) -> "DraftTree":
+        """The tree of the ``budget`` best-ranked nodes (parents always rank before their children)."""
         if self.rank is None:
             raise DartreeError("this tree carries no ranking; only ranked trees (dartree) can be cut to a prefix")
-        if size >= len(self):
+        if budget >= len(self):
             return self
-        keep = self.rank[:size].sort().values
+        keep = self.rank[:budget].sort().values
         cut = subtree(self.tokens, self.parents, self.depths, keep)
         cut.log_probs = self.log_probs[keep] if self.log_probs is not None else None
         positions = torch.full((len(self),), -1, dtype=torch.long, device=keep.device)
         positions[keep] = torch.arange(keep.numel(), device=keep.device)
-        cut.rank = positions[self.rank[:size]]
+        cut.rank = positions[self.rank[:budget]]
         return cut
 
     def __len__(self) -> int:

@@ -1,0 +1,6 @@
+"""Proposers: what speculates for a request, behind one contract (``base.Proposer``)."""
+
+from .base import PROPOSERS, Proposer, make_proposer, register
+from .drafter import DraftProposer, draft_batch
+
+__all__ = ["PROPOSERS", "Proposer", "make_proposer", "register", "DraftProposer", "draft_batch"]
