@@ -107,7 +107,7 @@ def measure(target, proposer: DraftProposer | None = None, head: CorrectionHead 
     target.reserve_slots(1)
     target.reset_slot(0)
     target.capture = proposer is not None
-    features = target.forward_parts([Part.causal(0, prompt)])[0][1]
+    tapped_states = target.forward_parts([Part.causal(0, prompt)])[0][1]
     target.keep(0, 0, torch.arange(context, device=device))
     requests = {n: Request(prompt, _Chain(torch.randint(vocab, (n - 1,), generator=gen).to(device)), Sampler(0.0), 1 << 30,
                            set(), slot=0, output=[bonus], prefilled=context, bonus=bonus) for n in rows}
@@ -140,10 +140,10 @@ def measure(target, proposer: DraftProposer | None = None, head: CorrectionHead 
         # in the code").
         def draft_call():
             proposer.reset()
-            proposer.draft(bonus, features[: context - 2], context - 2)  # the drafter's own prefill
+            proposer.draft(bonus, tapped_states[: context - 2], context - 2)  # the drafter's own prefill
             forward(1)
             t0 = time.perf_counter()
-            out = proposer.draft(bonus, features[context - 2:], context)  # a steady round: 2 new rows
+            out = proposer.draft(bonus, tapped_states[context - 2:], context)  # a steady round: 2 new rows
             return out, 1000.0 * (time.perf_counter() - t0)
 
         draft_call()
@@ -158,10 +158,10 @@ def measure(target, proposer: DraftProposer | None = None, head: CorrectionHead 
             def batch_call():
                 for p, cut in zip(group, cuts):
                     p.reset()
-                    p.draft(bonus, features[:cut], cut)
+                    p.draft(bonus, tapped_states[:cut], cut)
                 forward(1)
                 t0 = time.perf_counter()
-                draft_batch(group, [bonus] * size, [features[cut:context] for cut in cuts], [context] * size)
+                draft_batch(group, [bonus] * size, [tapped_states[cut:context] for cut in cuts], [context] * size)
                 return 1000.0 * (time.perf_counter() - t0)
 
             batch_call()

@@ -368,21 +368,21 @@ class DrafterModel(nn.Module):
         masks = mask.expand(first_tokens.shape[0], cfg.block_size - 1, -1)
         return torch.cat([anchor, masks], dim=1)
 
-    def fuse_context(self, target_features: torch.Tensor) -> torch.Tensor:
+    def fuse_context(self, tapped_states: torch.Tensor) -> torch.Tensor:
         """[.., C, m*H] concatenated tapped target states -> [.., C, H] injected context."""
-        return self.hidden_norm(self.fc(target_features))
+        return self.hidden_norm(self.fc(tapped_states))
 
     def forward(
         self,
         block_embeds: torch.Tensor,  # [B, Q, H]
-        target_features: torch.Tensor,  # [B, C, m*H]
+        tapped_states: torch.Tensor,  # [B, C, m*H]
         ctx_positions: torch.Tensor,  # [C] or [B, C]
         block_positions: torch.Tensor,  # [Q] or [B, Q]
         cache: DrafterCache | None = None,
         attn_mask: torch.Tensor | PackedBlocks | None = None,  # [B or 1, 1, Q, cache + C + Q], bool (True = visible), or packed blocks
     ) -> torch.Tensor:
         cfg = self.config
-        ctx = self.fuse_context(target_features)
+        ctx = self.fuse_context(tapped_states)
         dtype = block_embeds.dtype
         cos_q, sin_q = rope_cos_sin(block_positions, cfg.head_dim, cfg.rope_theta, dtype)
         cos_k, sin_k = rope_cos_sin(torch.cat([ctx_positions, block_positions], dim=-1), cfg.head_dim, cfg.rope_theta, dtype)

@@ -53,7 +53,7 @@ def native_dtype(device: torch.device | str) -> torch.dtype:
 
 def inexact_work_dtype(name: str, device: torch.device | str) -> torch.dtype:
     """The dtype of work that need not be bit-exact (data generation, the frozen target's training
-    features, the drafter's training products): "float32", "bfloat16", or "auto" = ``native_dtype``
+    tapped states, the drafter's training products): "float32", "bfloat16", or "auto" = ``native_dtype``
     (bf16 where it is native)."""
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(name) or native_dtype(device)
 

@@ -127,8 +127,8 @@ def replay(
     y = greedy[: len(output) + depths + 1]
     full = torch.cat([prompt_ids.reshape(-1), torch.tensor(y, dtype=prompt_ids.dtype, device=prompt_ids.device)])
     pipe.target.capture = True
-    _, features = prefill(pipe.target, full)
-    known = KnownTarget(full, features, pipe.target.tapped_layers)
+    _, tapped_states = prefill(pipe.target, full)
+    known = KnownTarget(full, tapped_states, pipe.target.tapped_layers)
 
     lengths: dict[str, list[int]] = {}
     for name, builder in builders.items():

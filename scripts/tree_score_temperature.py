@@ -65,10 +65,10 @@ def main() -> int:
         shutil.copy(args.greedy, greedy)
     pipe = dartree.load(threads=args.threads, cost_model=None)
     items = heldout_replay_items(pipe, args.prompts, args.per_file, per_benchmark=20)
-    head = pipe.head
+    head = pipe.proposer.head  # the correction head the tree methods apply to the drafter's drafts
     with open(args.out, "w") as out:
         for temperature in (float(t) for t in args.temperatures.split(",")):
-            pipe.head = TemperedHead(head, temperature)
+            pipe.proposer.head = TemperedHead(head, temperature)
             grid = {f"T={temperature} beta={beta} B={budget}": (beta, budget)
                     for beta in (float(b) for b in args.betas.split(",")) for budget in (int(b) for b in args.budgets.split(","))}
             builders = {name: make_builder("dartree", TreeSettings(budget=budget, beta=beta)) for name, (beta, budget) in grid.items()}
@@ -78,7 +78,7 @@ def main() -> int:
                 out.write(json.dumps(record) + "\n")
                 out.flush()
                 print(json.dumps(record), flush=True)
-    pipe.head = head
+    pipe.proposer.head = head
     shutil.rmtree(work, ignore_errors=True)
     return 0
 

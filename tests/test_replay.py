@@ -24,7 +24,7 @@ from dartree.trees import TreeSettings, make_builder
 )
 def test_replay_equals_decoding(pipelines, family, head, prompt, budget, max_new, stop, hand_over):
     pipe = pipelines[(family, head)]
-    settings_ = TreeSettings(budget=budget, width=3, top_k=8)
+    settings_ = TreeSettings(budget=budget, width=3, tree_top_k=8)
     methods = [m for m in pipe.methods if m != "ar"]
     greedy = None
     if hand_over:  # the bench hands over ar's own (stopped) output; replay extends it itself
@@ -32,7 +32,7 @@ def test_replay_equals_decoding(pipelines, family, head, prompt, budget, max_new
     ids = pipe.encode(input_ids=prompt)
     output, lengths = replay(pipe, ids, {m: make_builder(m, settings_) for m in methods}, max_new, set(stop), greedy)
     for m in methods:
-        got = pipe.generate(input_ids=prompt, method=m, max_new_tokens=max_new, budget=budget, width=3, top_k=8,
+        got = pipe.generate(input_ids=prompt, method=m, max_new_tokens=max_new, budget=budget, width=3, tree_top_k=8,
                             stop_token_ids=stop)
         assert output == got.token_ids
         assert lengths[m] == got.stats.acceptance_lengths, m
@@ -65,10 +65,10 @@ def test_replayed_auto_budget_makes_the_decoders_choices(pipelines, family, prom
     pipe = pipelines[(family, "domino")]
     cost = synthetic_cost(10.0, per_row, draft_ms=2.0, tree_ms=1.0)
     pipe.use_cost_model(cost)  # a fresh policy on this cost model
-    got = pipe.generate(input_ids=prompt, method="dartree", max_new_tokens=max_new, budget="auto", width=3, top_k=8)
+    got = pipe.generate(input_ids=prompt, method="dartree", max_new_tokens=max_new, budget="auto", width=3, tree_top_k=8)
     decoded = next(iter(pipe._policies.values()))
     policy, modeled = BudgetPolicy(cost, max_depth=pipe.proposer.num_depths), {}
-    builder = make_builder("dartree", TreeSettings(budget="auto", width=3, top_k=8))
+    builder = make_builder("dartree", TreeSettings(budget="auto", width=3, tree_top_k=8))
     output, lengths = replay(pipe, pipe.encode(input_ids=prompt), {"auto": builder}, max_new, set(), cost=cost,
                              policies={"auto": policy}, modeled=modeled)
     assert output == got.token_ids
@@ -85,7 +85,7 @@ def test_replayed_auto_budget_makes_the_decoders_choices(pipelines, family, prom
 def test_replayed_auto_budget_covers_both_regimes(pipelines):
     """The equality above means little unless the policy both speculates and takes plain steps."""
     pipe = pipelines[("llama", "domino")]
-    builder = make_builder("dartree", TreeSettings(budget="auto", width=3, top_k=8))
+    builder = make_builder("dartree", TreeSettings(budget="auto", width=3, tree_top_k=8))
     seen = set()
     for per_row, draft_ms in ((0.05, 0.5), (40.0, 5.0)):
         cost = synthetic_cost(10.0, per_row, draft_ms=draft_ms)
@@ -104,9 +104,9 @@ def test_replayed_fixed_budget_models_each_round(pipelines):
     pipe = pipelines[("qwen3", "markov")]
     cost = synthetic_cost(7.0, 1.5, draft_ms=2.0, tree_ms=0.5)
     for prompt in ([1, 2, 3], [5], [7, 4, 4, 6]):
-        got = pipe.generate(input_ids=prompt, method="dartree", max_new_tokens=25, budget=8, width=3, top_k=8)
+        got = pipe.generate(input_ids=prompt, method="dartree", max_new_tokens=25, budget=8, width=3, tree_top_k=8)
         modeled = {}
-        replay(pipe, pipe.encode(input_ids=prompt), {"d": make_builder("dartree", TreeSettings(budget=8, width=3, top_k=8))},
+        replay(pipe, pipe.encode(input_ids=prompt), {"d": make_builder("dartree", TreeSettings(budget=8, width=3, tree_top_k=8))},
                25, set(), cost=cost, modeled=modeled)
         assert modeled["d"] == pytest.approx(sum(cost.round_ms(n) for n in got.stats.tree_sizes))
 

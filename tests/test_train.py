@@ -11,7 +11,7 @@ from conftest import hf_greedy
 from transformers import AutoModelForCausalLM
 
 import dartree
-from dartree.train.data import generate_batch, load_shard, load_shards, save_shard, target_features
+from dartree.train.data import generate_batch, load_shard, load_shards, save_shard, tapped_target_states
 from dartree.train.drafter import TrainConfig, Trainer, block_batch, draft_vocabulary, export, vocabulary_coverage
 
 
@@ -72,7 +72,7 @@ def test_shards_hold_token_ids_only_and_features_are_recomputed(tiny_data):
     target_dir, target, data = tiny_data
     assert set(load_file(str(data / "shard-00000.safetensors"))) == {"tokens", "offsets", "prompt_lens"}
     s = load_shard(data / "shard-00001.safetensors")[0]
-    feats, final = target_features(target, [1, 2], s.tokens)
+    feats, final = tapped_target_states(target, [1, 2], s.tokens)
     ref = target(s.tokens[None].long(), output_hidden_states=True)
     # hidden_states[i + 1] is the output of layer i; the last one is already final-normed
     torch.testing.assert_close(feats[:, :32], ref.hidden_states[2][0])
@@ -171,8 +171,8 @@ def test_feature_cache_reuses_the_target_forward(tiny_data, tmp_path, monkeypatc
 
     _, target, data = tiny_data
     calls = []
-    real = drafter_mod.target_features
-    monkeypatch.setattr(drafter_mod, "target_features", lambda *a: calls.append(1) or real(*a))
+    real = drafter_mod.tapped_target_states
+    monkeypatch.setattr(drafter_mod, "tapped_target_states", lambda *a: calls.append(1) or real(*a))
     cfg = TrainConfig(data=str(data), out=str(tmp_path / "run"), steps=2, anchors=6, block_size=5, gru=16, rank=8,
                       heldout_seqs=4, eval_new_tokens=8, tapped=[1, 2])
     trainer = Trainer(target, cfg, "drafter")

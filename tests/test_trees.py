@@ -174,8 +174,8 @@ def test_domino_chain_uses_the_corrected_argmax():
     tree = make_builder("domino").build(draft, head, TreeSettings().build_budget)
     rnd = head.start_round(draft.hidden, draft.base_logits)
     state = head.initial_state(draft.bonus)
-    for slot, token in enumerate(tree.tokens.tolist()):
-        assert token == int(head.logits(rnd, slot, state)[0].argmax())
+    for depth, token in enumerate(tree.tokens.tolist()):  # the token at depth + 1
+        assert token == int(head.logits(rnd, depth, state)[0].argmax())
         state = head.advance(state, torch.tensor([token]))
     assert tree.tokens[0] == draft.base_logits[0].argmax(), "pure-draft prefix slot must be uncorrected"
 

@@ -253,7 +253,7 @@ def run(pipes, samples: list[Sample], grid: list[RunConfig], out_path: Path, max
 
 def run_replay(pipe, samples: list[Sample], grid: list[RunConfig], out_path: Path, max_new_tokens: int,
                cost: CostModel | None = None) -> list[dict]:
-    """T = 0 acceptance lengths by exact replay (``dartree.bench.replay``): one greedy run and one
+    """T = 0 acceptance lengths by exact replay (``dartree.replay``): one greedy run and one
     teacher-forced target forward per turn, then every configuration's rounds on the drafter and
     tree builder alone. Records have the bench schema with ``"replay": true``; the only time in
     them is the tree build, measured on identical drafts for every configuration.

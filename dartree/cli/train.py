@@ -188,7 +188,7 @@ def _run_train(args) -> int:
     torch.manual_seed(0)
     cfg = train_config(args)  # the declared ranges, checked before anything loads
     device = resolve_device(args.device)
-    # The frozen target only computes features and teacher distributions: bf16 where it is native.
+    # The frozen target only computes tapped states and teacher distributions: bf16 where it is native.
     # The drafter keeps fp32 weights, optimiser and losses; its products run under bf16 autocast
     # where bf16 is native (--compute-dtype).
     dtype = inexact_work_dtype(args.dtype, device)

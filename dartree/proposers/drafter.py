@@ -89,13 +89,13 @@ def draft_batch(proposers: list[DraftProposer], bonuses: list[int], tapped_state
     require(all(c + n == s for c, n, s in zip(cached, new, starts)), "drafter context out of step with the target")
     block_pos = torch.stack([s + torch.arange(q, device=device) for s in starts])
     if b == 1:  # alone: straight on its own cache, nothing to pad or hide
-        feats, cache, mask = tapped_states[0][None], first.cache, None
+        tapped, cache, mask = tapped_states[0][None], first.cache, None
         ctx_pos, block_pos = torch.arange(cached[0], starts[0], device=device), block_pos[0]
     else:
         longest_cache, longest_new = max(cached), max(new)
-        feats = tapped_states[0].new_zeros(b, longest_new, tapped_states[0].shape[-1])
+        tapped = tapped_states[0].new_zeros(b, longest_new, tapped_states[0].shape[-1])
         for i, f in enumerate(tapped_states):
-            feats[i, : f.shape[0]] = f
+            tapped[i, : f.shape[0]] = f
         steps = torch.arange(longest_new, device=device)
         ctx_pos = torch.stack([c + steps for c in cached])  # padded rows get positions too; the mask hides them
         # keys a block sees, in order: [cached (padded to the longest), new context (padded), its own block]
@@ -108,14 +108,14 @@ def draft_batch(proposers: list[DraftProposer], bonuses: list[int], tapped_state
         if longest_cache:
             shape = (b, cfg.num_key_value_heads, longest_cache, cfg.head_dim)
             for layer in range(cfg.num_hidden_layers):
-                keys, values = feats.new_zeros(shape), feats.new_zeros(shape)
+                keys, values = tapped.new_zeros(shape), tapped.new_zeros(shape)
                 for i, p in enumerate(proposers):
                     if cached[i]:
                         keys[i, :, : cached[i]] = p.cache.keys[layer][0]
                         values[i, :, : cached[i]] = p.cache.values[layer][0]
                 cache.keys[layer], cache.values[layer] = keys, values
     embeds = model.block_embeddings(first.embed_tokens, torch.tensor(bonuses, device=device))
-    hidden = model(embeds, feats, ctx_pos, block_pos, cache=cache, attn_mask=mask)  # [b, Q, H]
+    hidden = model(embeds, tapped, ctx_pos, block_pos, cache=cache, attn_mask=mask)  # [b, Q, H]
     if b == 1:
         first.cache.crop(starts[0])  # keep the context K/V, drop the block's
     else:

@@ -21,11 +21,11 @@ class KnownTarget:
     row_invariant = True  # a row's value is looked up, whatever shares the forward
     prefill_chunk = 1 << 62
 
-    def __init__(self, tokens: torch.Tensor, features: torch.Tensor | None, tapped_layers: list[int]):
+    def __init__(self, tokens: torch.Tensor, tapped_states: torch.Tensor | None, tapped_layers: list[int]):
         self.tokens = tokens.reshape(-1)
-        self.features = features
+        self.tapped_states = tapped_states
         self.tapped_layers = list(tapped_layers)
-        self.capture = features is not None
+        self.capture = tapped_states is not None
         self.width = int(self.tokens.max()) + 1  # the choices' logits need not span the whole vocabulary
         self.lengths: dict[int, int] = {}
 
@@ -47,8 +47,8 @@ class KnownTarget:
         for part in parts:
             positions = (self.lengths[part.slot] + part.depths.to(self.device)).clamp(max=last)
             self.lengths[part.slot] += part.tokens.numel()
-            features = self.features[positions] if self.capture and self.features is not None else None
-            out.append((positions[:, None].to(torch.float64), features))
+            tapped_states = self.tapped_states[positions] if self.capture and self.tapped_states is not None else None
+            out.append((positions[:, None].to(torch.float64), tapped_states))
         return out
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:

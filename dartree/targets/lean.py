@@ -217,10 +217,10 @@ class Rows:
 
 
 @torch.no_grad()
-def forward(weights: LeanWeights, store: KVStore, rows: Rows, taps: list[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+def forward(weights: LeanWeights, store: KVStore, rows: Rows, tapped_layers: list[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One decoder pass over ``rows``: their K/V written into the store at their cache positions,
-    final-normed states [n, H] returned with the tapped layers' outputs [n, len(taps) * H] (None
-    without taps). Plain functions over prepared weights: a few compiled calls per layer."""
+    final-normed states [n, H] returned with the tapped layers' outputs [n, len(tapped_layers) * H] (None
+    without tapped_layers). Plain functions over prepared weights: a few compiled calls per layer."""
     ext = kernels.load()
     w = weights
     cos, sin = w.rope(rows.positions)
@@ -237,10 +237,10 @@ def forward(weights: LeanWeights, store: KVStore, rows: Rows, taps: list[int] = 
         x = w.product(a, layer.o, hidden, x)
         h = ext.rmsnorm(x, layer.post_norm, w.eps)
         x = w.product(ext.swiglu(w.product(h, layer.gate_up, 2 * w.intermediate)), layer.down, hidden, x)
-        if i in taps:
+        if i in tapped_layers:
             tapped[i] = x
-    features = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
-    return ext.rmsnorm(x, w.final_norm, w.eps), features
+    tapped_states = torch.cat([tapped[i] for i in tapped_layers], dim=-1) if tapped_layers else None
+    return ext.rmsnorm(x, w.final_norm, w.eps), tapped_states
 
 
 class LeanOutput(nn.Module):
@@ -325,12 +325,12 @@ class LeanTarget:
         store.reserve(max(store.lengths[p.slot] for p in parts) + width)
         batch = rows[0] if len(rows) == 1 else Rows(*(torch.cat(t) for t in zip(*(
             (r.tokens, r.slots, r.positions, r.cache_positions, r.past, r.visible) for r in rows))))
-        hidden, feats = forward(self.weights, store, batch, self.tapped_layers if self.capture else ())
+        hidden, tapped = forward(self.weights, store, batch, self.tapped_layers if self.capture else ())
         out, at = [], 0
         for p in parts:
             n = p.tokens.numel()
             store.lengths[p.slot] += n
-            out.append((hidden[at:at + n], feats[at:at + n] if feats is not None else None))
+            out.append((hidden[at:at + n], tapped[at:at + n] if tapped is not None else None))
             at += n
         return out
 

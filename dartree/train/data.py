@@ -8,7 +8,7 @@ enough to commit and accumulate across sessions:
 - ``offsets`` int64 [n+1], ``prompt_lens`` int32 [n].
 
 The target's tapped states and its next-token distribution are recomputed from the ids at training
-time (one teacher-forced forward per sequence, ``target_features``), so a shard does not depend on the
+time (one teacher-forced forward per sequence, ``tapped_target_states``), so a shard does not depend on the
 tapped layers or on the drafter's vocabulary. Shard k always holds the same prompts (one fixed
 shuffle), shards are written atomically and skipped when present: asking for more prompts later
 extends the data set, and an interrupted run resumes where it stopped.
@@ -163,7 +163,7 @@ class Sequence:
 
 
 @torch.no_grad()
-def target_features(model, tapped: list[int], tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def tapped_target_states(model, tapped: list[int], tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Teacher-forced forward of one sequence [L]: tapped states [L, m*H] and final normed states [L, H].
 
     Row i belongs to position i; the drafter context at an anchor a is rows < a, and the target's

@@ -42,7 +42,7 @@ from ..products import cpu_products
 from ..replay import replay
 from ..trees import DARTreeBuilder, TreeBuilder, TreeSettings
 from .data import (NON_COMMERCIAL_SOURCES, Sequence, TrainingPrompt, expanded_prompts, label_original_sources, load_shards,
-                   sequence_category, shard_files, target_features)
+                   sequence_category, shard_files, tapped_target_states)
 
 
 STAGES = ("drafter", "markov")  # the training steps after `data`: block drafter + Domino head, then a Markov head
@@ -360,7 +360,7 @@ def heldout_prompts(prompts_dir: str | Path, per_file: int) -> list[TrainingProm
 def replay_tau_by_category(pipe: Pipeline, items: list[tuple[str, torch.Tensor]], builders: dict[str, TreeBuilder],
                            max_new_tokens: int, greedy_path: Path | None = None) -> dict[str, dict[str, float]]:
     """{method: {category: tau}} at T = 0 over ``items`` (category, prompt token ids) by exact replay
-    (``bench.replay``: the decoder's own round on the target's known greedy answer); tau = committed
+    (``dartree.replay``: the decoder's own round on the target's known greedy answer); tau = committed
     tokens / rounds over each category's prompts, and "all" over every prompt. The target's greedy
     answers are the costly part; ``greedy_path`` (JSONL) keeps them across calls, keyed by the prompt's
     ids, the length and the target's dtype."""
@@ -575,7 +575,7 @@ class Trainer:
         tokens = seq.tokens.to(self.device)
         states = self._feature_cache.get(key) if key is not None else None
         if states is None:
-            states = target_features(self.target, self.cfg.tapped, tokens)
+            states = tapped_target_states(self.target, self.cfg.tapped, tokens)
             size = sum(t.numel() * t.element_size() for t in states)
             if key is not None and self._feature_cache_bytes + size <= self.cfg.feature_cache_gb * 2**30:
                 self._feature_cache[key] = states
