@@ -59,7 +59,7 @@ class DrafterConfig:
 
     @property
     def num_draft_depths(self) -> int:
-        """D: with shifted labels every block slot predicts a future token; otherwise slot 0 does not."""
+        """D: with shifted labels every block position predicts a future token; otherwise position 0 does not."""
         return self.block_size if self.shift_label else self.block_size - 1
 
     @classmethod

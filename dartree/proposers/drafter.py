@@ -124,7 +124,7 @@ def draft_batch(proposers: list[DraftProposer], bonuses: list[int], tapped_state
             for layer in range(cfg.num_hidden_layers):
                 p.cache.append(layer, cache.keys[layer][i:i + 1, :, rows], cache.values[layer][i:i + 1, :, rows])
     if not cfg.shift_label:
-        hidden = hidden[:, 1:]  # slot 0 only restates the bonus token
+        hidden = hidden[:, 1:]  # block position 0 only restates the bonus token
     logits = first.lm_head(hidden.reshape(-1, hidden.shape[-1])).reshape(b, hidden.shape[1], -1)
     return [DraftOutput(bonus=bonus, hidden=hidden[i], base_logits=logits[i], d2t=model.d2t)
             for i, bonus in enumerate(bonuses)]

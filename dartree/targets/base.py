@@ -12,7 +12,8 @@ over new rows of any of its slots. That is all the round (``dartree.engine``) ne
   ``slot_length + depths[i]``, seeing the committed rows and the new rows ``visible[i]`` marks).
   Returns, per part, the final-normed hidden states and, when ``capture`` is on and
   ``tapped_layers`` is not empty, the tapped layers' outputs concatenated in layer order (the
-  drafter's context). The new rows stay in the slot's cache until ``keep`` commits some of them.
+  drafter's context). The new rows are appended to the slot (its length grows by ``n``) until
+  ``keep`` keeps some of them.
 - ``lm_head(hidden [r, H]) -> logits [r, V]``: the output layer, over only the rows the walk asks
   for (most rows of a tree are never looked at).
 - ``keep(slot, start, rows)``: commit the new rows ``rows`` (indices from ``start``, in order) as
