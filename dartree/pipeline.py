@@ -10,7 +10,8 @@ import torch
 from .budget import BudgetPolicy
 from .calibration import load_or_measure
 from .costmodel import CostModel, MeasuredCostModel
-from .default_model import default_drafter_dir, default_target_dir
+from . import quant
+from .default_model import default_drafter_dir, default_target_dir, gguf_path
 from .drafter import DrafterModel
 from .engine import Engine, GenerationStats, Request, run_alone
 from .errors import DartreeError, require
@@ -19,7 +20,7 @@ from .loading import check_pair, cpu_products, load_drafter, load_target, load_t
 from .prompts import chat_token_ids
 from .settings import GenerationSettings
 from .proposers import Proposer, make_proposer
-from .targets import check_context_length, make_target
+from .targets import WEIGHTS, check_context_length, make_target, unsupported_reason
 from .trees import available_methods
 
 
@@ -51,13 +52,15 @@ class Pipeline:
     drafter's training data; see ``lean.PRODUCTS``)."""
 
     def __init__(self, target_model, drafter: DrafterModel | None = None, tokenizer=None, lean: bool | str = "auto",
-                 cost_model: CostModel | str | None = "auto", lean_products: str = "exact"):
+                 cost_model: CostModel | str | None = "auto", lean_products: str = "exact", weights: str = "float32",
+                 gguf=None):
         self.target_model = target_model
         self.drafter = drafter
         self.tokenizer = tokenizer
         if drafter is not None:
             check_pair(target_model, drafter)
-        self.target = make_target(target_model, drafter.config.target_layer_ids if drafter else (), lean, lean_products)
+        self.target = make_target(target_model, drafter.config.target_layer_ids if drafter else (), lean, lean_products,
+                                  weights, gguf)
         self.proposer = None
         self.head = None
         self._cost_model: CostModel | None = None
@@ -244,7 +247,8 @@ class Pipeline:
 
 
 def load(target: str | Path | None = None, drafter: str | Path | None = None, dtype="auto", device="cpu",
-         threads: int | None = None, lean: bool | str = "auto", cost_model: CostModel | str | None = "auto") -> Pipeline:
+         threads: int | None = None, lean: bool | str = "auto", cost_model: CostModel | str | None = "auto",
+         weights: str = "auto") -> Pipeline:
     """Load a target (any HF causal LM directory) and a DFlash-format drafter.
 
     With no arguments: the bundled default model (SmolLM2-135M-Instruct) with the drafter shipped
@@ -255,19 +259,31 @@ def load(target: str | Path | None = None, drafter: str | Path | None = None, dt
     CPU in float32/float64, row-invariant, so every method is token-exact by construction); "auto"
     (default) wherever it can run, True to insist, False for the Hugging Face forward.
     ``cost_model``: as ``Pipeline``'s ("auto": this machine's, read from the cache or measured now,
-    with a drafter only).
+    with a drafter only). ``weights``: "file" runs the bundled model's GGUF file as stored (Q4_1
+    blocks, a Q8_0 output layer) on integer products; "float32" its dequantised float32 weights (the
+    reference); "q8_0" any float32 Llama/Qwen3 target quantised to Q8_0 at load; "auto" (default):
+    "file" for the bundled model where the lean forward and its integer kernels run, else "float32".
+    Every weights choice is exact in its own right: each method reproduces that target's greedy decoding.
     """
     device = resolve_device(device)
     dtype = parse_dtype(dtype, device)
     set_threads(threads)
+    require(weights in ("auto", *WEIGHTS), f"weights must be auto, {', '.join(WEIGHTS)}; got {weights!r}")
+    gguf = None
     if target is None:
-        target = default_target_dir()
+        target, gguf = default_target_dir(), gguf_path()
         if drafter is None:
             drafter = default_drafter_dir()
+    elif weights == "file":
+        raise DartreeError("weights='file' runs the bundled model's GGUF file; for another target use weights='q8_0' "
+                           "(its float32 weights quantised at load) or 'float32'")
     model = load_target(target, dtype, device)
+    if weights == "auto":
+        weights = "file" if gguf is not None and lean is not False and unsupported_reason(model) is None \
+            and quant.available() else "float32"
     draft_model = load_drafter(drafter, dtype=dtype, device=device) if drafter is not None else None
     if draft_model is not None:
         # fp32/fp64 CPU only; training loads drafters without it. The drafter's products are over a
         # draft block's few rows, where the lean kernels read the weights fastest.
         cpu_products(draft_model, lean=True)
-    return Pipeline(model, draft_model, load_tokenizer(target), lean=lean, cost_model=cost_model)
+    return Pipeline(model, draft_model, load_tokenizer(target), lean=lean, cost_model=cost_model, weights=weights, gguf=gguf)

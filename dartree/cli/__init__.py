@@ -65,7 +65,7 @@ def _run_generate(args) -> int:
     settings = generation_settings(args)
     if not args.prompt.strip():
         raise DartreeError("the prompt is empty; give some text")
-    pipe = load_pipeline(args.target, args.drafter, dtype=args.dtype, device=args.device)
+    pipe = load_pipeline(args.target, args.drafter, dtype=args.dtype, device=args.device, weights=args.weights)
     kwargs = dict(settings=settings)
     streaming = not args.json and pipe.tokenizer is not None
     if streaming:  # print the text as each round is verified
@@ -86,7 +86,7 @@ def _run_generate(args) -> int:
         if not streaming:
             print(result.token_ids)
         print(
-            f"\n[{s.method}] {s.new_tokens} tokens in {s.rounds} rounds, mean acceptance {s.mean_acceptance:.2f}, "
+            f"\n[{s.method} on {pipe.target.name}] {s.new_tokens} tokens in {s.rounds} rounds, mean acceptance {s.mean_acceptance:.2f}, "
             f"{s.tokens_per_second:.1f} tokens/s (draft {s.stage_ms['draft']:.0f} ms, tree {s.stage_ms['tree']:.0f} ms, "
             f"verify {s.stage_ms['verify']:.0f} ms, commit {s.stage_ms['commit']:.0f} ms)",
             file=sys.stderr,
@@ -103,7 +103,8 @@ def _run_generate(args) -> int:
 def _run_calibrate(args) -> int:
     if args.context < 1:
         raise DartreeError(f"--context must be >= 1, got {args.context}")
-    pipe = load_pipeline(args.target, args.drafter, dtype=args.dtype, device=args.device, cost_model=None)
+    pipe = load_pipeline(args.target, args.drafter, dtype=args.dtype, device=args.device, cost_model=None,
+                         weights=args.weights)
     cost = load_or_measure(pipe.target, pipe.proposer, pipe.head, args.context, remeasure=args.remeasure)
     print(cost.to_json() if args.json else cost.table())
     if args.plot:

@@ -6,6 +6,7 @@ import argparse
 
 from ..errors import DartreeError
 from ..settings import GenerationSettings
+from ..targets.quantized import WEIGHTS
 from ..trees import BUILDERS, TreeSettings
 from ..trees.base import RETIRED_NOTES
 
@@ -22,6 +23,11 @@ def add_model_args(p: argparse.ArgumentParser, dtype_and_device: bool = True) ->
     """--target and --drafter; and --dtype and --device, unless the command declares its own (the bench's dtype list)."""
     p.add_argument("--target", help="target model directory (any Hugging Face causal LM); default: bundled SmolLM2-135M-Instruct")
     p.add_argument("--drafter", help="drafter directory in the DFlash on-disk format; default: the drafter shipped with dartree")
+    p.add_argument("--weights", default="auto", choices=("auto", *WEIGHTS),
+                   help="the target's weights: file (the bundled model's Q4_1 GGUF as stored, on integer products), "
+                        "float32 (its dequantised float32 weights), q8_0 (a float32 target quantised at load); "
+                        "auto (default): file for the bundled model where the integer kernels run, else float32. "
+                        "Each is exact: every method reproduces that target's greedy text")
     if not dtype_and_device:
         return
     p.add_argument("--dtype", default="auto",

@@ -227,7 +227,7 @@ def run_bench(args) -> int:
         raise DartreeError("--replay measures temperature 0 only; drop --temperatures")
     if args.replay and len(dtypes) > 1:
         raise DartreeError("--replay takes one --dtype (replay measures acceptance, not time)")
-    pipes = {d: load_pipeline(args.target, args.drafter, dtype=d) for d in dtypes}
+    pipes = {d: load_pipeline(args.target, args.drafter, dtype=d, weights=args.weights) for d in dtypes}
     pipe = pipes[dtypes[0]]
     missing = [m for m in methods if m not in PEERS and m not in pipe.methods]
     if missing:

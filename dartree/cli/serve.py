@@ -45,7 +45,7 @@ def _run_serve(args) -> int:
         raise DartreeError(f"--port must be between 1 and 65535, got {args.port}")
     if args.max_queue < 1:
         raise DartreeError(f"--max-queue must be >= 1, got {args.max_queue}")
-    pipe = load_pipeline(args.target, args.drafter, dtype=args.dtype, device=args.device)
+    pipe = load_pipeline(args.target, args.drafter, dtype=args.dtype, device=args.device, weights=args.weights)
     if args.max_batch is not None and args.max_batch < 1:
         raise DartreeError(f"--max-batch must be >= 1, got {args.max_batch}")
     max_batch = args.max_batch

@@ -87,7 +87,6 @@ class LeanWeights:
         ext = kernels.load()
         self.products = products
         self._ext = ext  # the compiled module, loaded once: ``product`` runs four times a layer
-        prepare = ext.pack_weight if products == "exact" else (lambda w: w.detach().to(torch.bfloat16).contiguous())
         cfg = model.config
         self.model = model
         self.hidden = cfg.hidden_size
@@ -102,14 +101,15 @@ class LeanWeights:
         empty = torch.empty(0, dtype=self.dtype)
         self.layers: list[LayerWeights] = []
         with torch.no_grad():
-            for block in decoder_layers(model):
+            for i, block in enumerate(decoder_layers(model)):
                 att, mlp = block.self_attn, block.mlp
-                qkv = torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])
-                gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
                 qn = getattr(att, "q_norm", None)
                 kn = getattr(att, "k_norm", None)
                 self.layers.append(LayerWeights(
-                    prepare(qkv), prepare(att.o_proj.weight), prepare(gate_up), prepare(mlp.down_proj.weight),
+                    self.prepare("qkv", i, lambda: torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])),
+                    self.prepare("o", i, lambda: att.o_proj.weight),
+                    self.prepare("gate_up", i, lambda: torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
+                    self.prepare("down", i, lambda: mlp.down_proj.weight),
                     block.input_layernorm.weight.detach().contiguous(),
                     block.post_attention_layernorm.weight.detach().contiguous(),
                     qn.weight.detach().contiguous() if qn is not None else empty,
@@ -117,9 +117,25 @@ class LeanWeights:
             self.final_norm = model.model.norm.weight.detach().contiguous()
             out = model.get_output_embeddings()
             self.vocab = out.weight.shape[0]
-            self.output = prepare(out.weight.detach())
+            self.output = self.prepare("output", None, lambda: out.weight)
         self.embedding = model.get_input_embeddings()
         self._cos = self._sin = None
+
+    @property
+    def row_invariant(self) -> bool:
+        """Whether a row's outputs are independent of the other rows of a forward."""
+        return self.products == "exact"
+
+    @property
+    def products_name(self) -> str:
+        """How the products run, as the target's name says it (``LeanTarget.name``)."""
+        return "fp32" if self.products == "exact" else self.products
+
+    def prepare(self, role: str, layer: int | None, float_weight) -> torch.Tensor:
+        """The product weight of ``role`` ("qkv", "o", "gate_up", "down"; "output": the output layer,
+        ``layer`` None) from the model's float weight (``float_weight()``), in this class's layout."""
+        w = float_weight().detach()
+        return self._ext.pack_weight(w) if self.products == "exact" else w.to(torch.bfloat16).contiguous()
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Hugging Face's own cos/sin [n, head_dim] at ``positions`` (tables grown by doubling)."""
@@ -276,7 +292,9 @@ class LeanTarget:
         self.capture = bool(self.tapped_layers)
         self.store = KVStore(self.weights, slots=1)
         self._lm_head = LeanOutput(self.weights, model.get_output_embeddings())
-        self.row_invariant = self.weights.products == "exact"
+        self.row_invariant = self.weights.row_invariant
+        # the fp32 forward keeps the name its cost models are cached under; others say their products
+        self.name = "lean" if self.weights.products_name == "fp32" else f"lean-{self.weights.products_name}"
 
     @property
     def embed_tokens(self) -> nn.Embedding:

@@ -1,0 +1,514 @@
+// Products on block-quantised weights as GGUF stores them (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K), with integer dot
+// products: exact and row-invariant, like the lean forward's float kernels (lean_kernels.cpp).
+//
+// y[r, n] = sum over blocks b of  d_w[n, b] * d_x[r, b] * isum[r, n, b]  (+ m_w[n, b] * s_x[r, b] with a minimum)
+//
+// where each activation row is quantised per block of 32 to int8 the llama.cpp way (Q8_0: d_x = max|x| / 127,
+// q = round-to-nearest-even(x * (1 / d_x)); s_x = d_x * sum(q), what llama.cpp's Q8_1 keeps), and isum is the
+// block's integer dot product of the weight's quants with the row's quants, exact in int32. Every float
+// operation is a correctly rounded one in one fixed order per (row, output): for b = 0..K/32-1 in order,
+//   acc = fma(d_w * d_x, float(isum), acc)                      Q8_0, Q4_0
+//   acc = fma(d_w * d_x, float(isum), acc); acc = fma(m_w, s_x, acc)          Q4_1 (and Q4_K)
+//   acc = fma(d_w0 * d_x, float(isum0), acc); acc = fma(d_w1 * d_x, float(isum1), acc)   Q6_K (a scale a 16)
+// and the residual, when given, is added after the whole sum (res + acc). The instruction-set paths
+// (AVX-512 VNNI, AVX2, scalar) differ only in how the exact integer sums are formed, so they give the same
+// bits, and nothing a row computes depends on the other rows of the call: the same bits whatever the row
+// count. A row with a NaN gives NaN (a non-finite block makes its outputs NaN); other rows are unaffected.
+//
+// Packed layout (the same on every path), per group of 16 output rows and per block of 32 inputs, one
+// record: quants, then 16 float32 scales, then 16 float32 minimums (Q4_1) or second scales (Q6_K).
+//   quants: 4-byte units [t][j][i], unit t of output row j holding its inputs 4t..4t+3:
+//     Q8_0, Q6_K: 8 units a row, the int8 value + 128 as uint8;
+//     Q4_0, Q4_1: 4 units a row, bytes with the low nibble input 4t+i and the high nibble input 16+4t+i
+//       (GGUF's own bytes qs[4t..4t+3] for Q4_0 and Q4_1).
+// Q4_K is packed into Q4_1 records (per 32: scale d * sc, minimum -(dmin * m), both exact in float32), Q6_K
+// into records of its own (int8 q - 32, a scale d * sc for each 16). Rows past N (the last group's padding)
+// have zero scales; their outputs are never written.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+// DARTREE_SCALAR (a compile-time macro) keeps every product on the scalar code, for the tests
+#if !defined(DARTREE_SCALAR)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define DQ_VNNI 1
+#elif defined(__AVX2__)
+#define DQ_AVX2 1
+#endif
+#endif
+#if defined(DQ_VNNI) || defined(DQ_AVX2)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int QK = 32;    // inputs per block
+constexpr int QKK = 256;  // inputs per K-quant super-block
+constexpr int G = 16;     // output rows per group
+
+// GGML's type ids (gguf.GGMLQuantizationType); Q4_0, Q4_1, Q8_0 and Q6_K are also the record types
+constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14;
+
+constexpr bool wide(int64_t t) { return t == Q8_0 || t == Q6_K; }  // a byte a value
+constexpr int64_t quant_bytes(int64_t t) { return wide(t) ? G * QK : G * QK / 2; }
+constexpr int64_t record_bytes(int64_t t) { return quant_bytes(t) + G * 4 + (t == Q4_1 || t == Q6_K ? G * 4 : 0); }
+constexpr int64_t record_type(int64_t t) { return t == Q4_K ? Q4_1 : t; }
+// GGUF's bytes per block (of 32, or of 256 for the K-quants) and values per block
+constexpr int64_t raw_bytes(int64_t t) {
+  return t == Q8_0 ? 34 : t == Q4_0 ? 18 : t == Q4_1 ? 20 : t == Q4_K ? 144 : 210;
+}
+constexpr int64_t raw_values(int64_t t) { return t == Q4_K || t == Q6_K ? QKK : QK; }
+
+int64_t type_of_record(int64_t bytes) {
+  for (int64_t t : {Q4_0, Q4_1, Q8_0, Q6_K})
+    if (record_bytes(t) == bytes) return t;
+  TORCH_CHECK(false, "quant: not a packed weight (record of ", bytes, " bytes)");
+  return -1;
+}
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// the quant byte of value v (0..31) of output row j in a record of byte-a-value quants, and the byte
+// holding value v % 16 (low nibble: v < 16) in a record of nibbles
+inline int64_t wide_at(int v, int j) { return ((v / 4) * G + j) * 4 + v % 4; }
+inline int64_t nibble_at(int v, int j) { return (((v % 16) / 4) * G + j) * 4 + v % 4; }
+
+// ---------------------------------------------------------------- activations
+// One block of 32 of one row, quantised: q (32 int8 as 8 dwords), d, ds = d * float(sum of q), and what the
+// unsigned-by-signed integer products need added (the weight's offset times the row's sums: Q8_0 and Q6_K
+// -128, Q4_0 -8, Q4_1 0; Q6_K's for each half). qproduct lays them out block-major, [K/32][M], so that
+// the R rows of a tile sit at constant offsets from one pointer.
+struct alignas(16) ActBlock {
+  int32_t q[8];
+  float d;
+  float ds;
+  int32_t corr;   // for the whole block, or for inputs 0..15 (Q6_K)
+  int32_t corr1;  // for inputs 16..31 (Q6_K)
+};
+static_assert(sizeof(ActBlock) == 48, "ActBlock is 48 bytes");
+
+// llama.cpp's Q8_0 for one block: d = max|x| / 127, q = round-to-nearest-even(x * (1 / d)); a NaN in the
+// block makes d NaN (and q 0). Returns sum(q).
+inline int32_t quantize_block(const float* xb, int8_t* q, float* d) {
+  float amax = 0.0f;
+  for (int i = 0; i < QK; ++i) {
+    const float a = std::fabs(xb[i]);
+    amax = (a > amax || a != a) && amax == amax ? a : amax;
+  }
+  const float db = amax / 127.0f;
+  const float id = db != 0.0f ? 1.0f / db : 0.0f;
+  int32_t sum = 0;
+  for (int i = 0; i < QK; ++i) {
+    float v = std::nearbyint(xb[i] * id);  // round to nearest even (the default rounding mode)
+    v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+    q[i] = v == v ? (int8_t)(int)v : 0;
+    sum += q[i];
+  }
+  *d = db;
+  return sum;
+}
+
+// ---------------------------------------------------------------- one tile: R rows x 16 outputs
+inline void store_row(const float* out, float* dst, const float* res, int64_t n) {
+  if (res != nullptr) {
+    for (int64_t j = 0; j < n; ++j) dst[j] = res[j] + out[j];
+  } else {
+    for (int64_t j = 0; j < n; ++j) dst[j] = out[j];
+  }
+}
+
+// R activation rows (from row r0 of M) against one group's records (nb blocks), written to y columns col0..
+template <int64_t T, int R>
+inline void tile(const uint8_t* rec, const ActBlock* act, int64_t M, int64_t nb, int64_t r0, float* y, int64_t N,
+                 int64_t col0, const float* res) {
+  constexpr int64_t RB = record_bytes(T), QB = quant_bytes(T);
+  alignas(64) float out[R][G];
+#if defined(DQ_VNNI)
+  __m512 acc[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* rb = rec + b * RB;
+    const ActBlock* ab = act + b * M + r0;
+    // w[t] holds inputs 4t..4t+3 of the 16 rows, as unsigned bytes: x's dword t goes with it
+    __m512i w[8];
+    if constexpr (wide(T)) {
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t) w[t] = _mm512_loadu_si512(rb + 64 * t);
+    } else {
+#pragma GCC unroll 4
+      for (int t = 0; t < 4; ++t) {
+        const __m512i v = _mm512_loadu_si512(rb + 64 * t);
+        w[t] = _mm512_and_si512(v, low);
+        w[4 + t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+    }
+    const __m512 dw = _mm512_loadu_ps((const float*)(rb + QB));
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      // the block's integer dot products, exact: dpbusd multiplies the weight's unsigned bytes by the row's
+      // signed bytes; the offsets come off as the row's sums times them (corr). Inputs 0..15 and 16..31
+      // in two chains, added (or scaled apart for Q6_K)
+      __m512i s0 = _mm512_set1_epi32(ab[r].corr), s1 = _mm512_set1_epi32(ab[r].corr1);
+#pragma GCC unroll 4
+      for (int t = 0; t < 4; ++t) {
+        s0 = _mm512_dpbusd_epi32(s0, w[t], _mm512_set1_epi32(ab[r].q[t]));
+        s1 = _mm512_dpbusd_epi32(s1, w[4 + t], _mm512_set1_epi32(ab[r].q[4 + t]));
+      }
+      const __m512 dx = _mm512_set1_ps(ab[r].d);
+      if constexpr (T == Q6_K) {
+        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, dx), _mm512_cvtepi32_ps(s0), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps((const float*)(rb + QB + 64)), dx), _mm512_cvtepi32_ps(s1), acc[r]);
+      } else {
+        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, dx), _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), acc[r]);
+      }
+      if constexpr (T == Q4_1)
+        acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps((const float*)(rb + QB + 64)), _mm512_set1_ps(ab[r].ds), acc[r]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) _mm512_store_ps(out[r], acc[r]);
+#elif defined(DQ_AVX2)
+  // two halves of 8 outputs (lanes j and 8 + j)
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* rb = rec + b * RB;
+    const ActBlock* ab = act + b * M + r0;
+    for (int h = 0; h < 2; ++h) {
+      const __m256 dw = _mm256_loadu_ps((const float*)(rb + QB) + 8 * h);
+      __m256i s[R][2];  // inputs 0..15 and 16..31
+      if constexpr (wide(T)) {
+        // the weight as int8, then |w| (uint8) times the row's byte with w's sign: pairs of products stay
+        // within int16 (|w| <= 128, |x| <= 127), so maddubs never saturates; no offset to take off
+        for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
+        for (int t = 0; t < 8; ++t) {
+          const __m256i wv = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(rb + 64 * t + 32 * h)), flip);
+          const __m256i aw = _mm256_abs_epi8(wv);
+          for (int r = 0; r < R; ++r) {
+            const __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(_mm256_set1_epi32(ab[r].q[t]), wv));
+            s[r][t / 4] = _mm256_add_epi32(s[r][t / 4], _mm256_madd_epi16(p, ones));
+          }
+        }
+      } else {
+        // nibbles (0..15) times bytes (|x| <= 127): the 8 pair sums of a lane stay within int16
+        // (8 * 2 * 15 * 127 = 30480), so they add in int16 before one madd to int32
+        __m256i p[R];
+        for (int r = 0; r < R; ++r) p[r] = _mm256_setzero_si256();
+        for (int t = 0; t < 4; ++t) {
+          const __m256i v = _mm256_loadu_si256((const __m256i*)(rb + 64 * t + 32 * h));
+          const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          for (int r = 0; r < R; ++r) {
+            p[r] = _mm256_add_epi16(p[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(ab[r].q[t])));
+            p[r] = _mm256_add_epi16(p[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(ab[r].q[4 + t])));
+          }
+        }
+        for (int r = 0; r < R; ++r) {
+          s[r][0] = _mm256_add_epi32(_mm256_madd_epi16(p[r], ones), _mm256_set1_epi32(ab[r].corr));
+          s[r][1] = _mm256_setzero_si256();
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256 dx = _mm256_set1_ps(ab[r].d);
+        if constexpr (T == Q6_K) {
+          acc[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(s[r][0]), acc[r][h]);
+          acc[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps((const float*)(rb + QB + 64) + 8 * h), dx),
+                                      _mm256_cvtepi32_ps(s[r][1]), acc[r][h]);
+        } else {
+          acc[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(_mm256_add_epi32(s[r][0], s[r][1])),
+                                      acc[r][h]);
+        }
+        if constexpr (T == Q4_1)
+          acc[r][h] = _mm256_fmadd_ps(_mm256_loadu_ps((const float*)(rb + QB + 64) + 8 * h), _mm256_set1_ps(ab[r].ds),
+                                      acc[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_store_ps(out[r], acc[r][0]);
+    _mm256_store_ps(out[r] + 8, acc[r][1]);
+  }
+#else
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < G; ++j) out[r][j] = 0.0f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* rb = rec + b * RB;
+    const ActBlock* ab = act + b * M + r0;
+    const float* dw = (const float*)(rb + QB);
+    const float* second = (const float*)(rb + QB + 64);  // Q4_1's minimums, Q6_K's scales of inputs 16..31
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xb = reinterpret_cast<const int8_t*>(ab[r].q);
+      for (int j = 0; j < G; ++j) {
+        int32_t s[2] = {0, 0};  // the integer dot products of the signed values, inputs 0..15 and 16..31
+        for (int v = 0; v < QK; ++v) {
+          int32_t wv;
+          if constexpr (wide(T)) {
+            wv = (int8_t)(rb[wide_at(v, j)] ^ 0x80);
+          } else {
+            const uint8_t byte = rb[nibble_at(v, j)];
+            wv = (v < 16 ? byte & 0x0F : byte >> 4) - (T == Q4_0 ? 8 : 0);
+          }
+          s[v / 16] += wv * xb[v];
+        }
+        if constexpr (T == Q6_K) {
+          out[r][j] = std::fma(dw[j] * ab[r].d, (float)s[0], out[r][j]);
+          out[r][j] = std::fma(second[j] * ab[r].d, (float)s[1], out[r][j]);
+        } else {
+          out[r][j] = std::fma(dw[j] * ab[r].d, (float)(s[0] + s[1]), out[r][j]);
+        }
+        if constexpr (T == Q4_1) out[r][j] = std::fma(second[j], ab[r].ds, out[r][j]);
+      }
+    }
+  }
+#endif
+  const int64_t n = std::min<int64_t>(G, N - col0);
+  for (int r = 0; r < R; ++r)
+    store_row(out[r], y + (r0 + r) * N + col0, res ? res + (r0 + r) * N + col0 : nullptr, n);
+}
+
+// Rows per tile: measured on an AMD EPYC Zen 4 (one thread, 960 x 576): 4 to 16 rows a tile give the same
+// times on the VNNI path (bound by vpdpbusd's one a cycle); the AVX2 path is fastest at 2 (16 registers).
+#if defined(DQ_VNNI)
+constexpr int ROWS_PER_TILE = 8;
+#elif defined(DQ_AVX2)
+constexpr int ROWS_PER_TILE = 2;
+#else
+constexpr int ROWS_PER_TILE = 4;
+#endif
+
+template <int64_t T>
+void product_impl(const ActBlock* act, int64_t M, int64_t nb, const uint8_t* packed, int64_t N, float* y,
+                  const float* res) {
+  const int64_t groups = (N + G - 1) / G, group_bytes = nb * record_bytes(T);
+  // threads split the output groups; a group's records (a few KiB) stay in L1 while every row tile reads them
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* rec = packed + g * group_bytes;
+      int64_t r = 0;
+      for (; r + ROWS_PER_TILE <= M; r += ROWS_PER_TILE) tile<T, ROWS_PER_TILE>(rec, act, M, nb, r, y, N, g * G, res);
+      switch (M - r) {
+#define DQ_TAIL(n) case n: if constexpr (n < ROWS_PER_TILE) tile<T, n>(rec, act, M, nb, r, y, N, g * G, res); break;
+        DQ_TAIL(15) DQ_TAIL(14) DQ_TAIL(13) DQ_TAIL(12) DQ_TAIL(11) DQ_TAIL(10) DQ_TAIL(9) DQ_TAIL(8)
+        DQ_TAIL(7) DQ_TAIL(6) DQ_TAIL(5) DQ_TAIL(4) DQ_TAIL(3) DQ_TAIL(2) DQ_TAIL(1)
+#undef DQ_TAIL
+        default: break;
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------- packing
+// One block of 32 of one output row, decoded from GGUF's bytes: the values as integers (Q4_x: 0..15, Q8_0 and
+// Q6_K: signed) and the record's two floats (scale; minimum, or Q6_K's scale of inputs 16..31).
+struct Decoded {
+  int q[QK];
+  float a, b;
+};
+
+// block b (of 32) of a row of GGUF blocks
+Decoded decode(const uint8_t* row, int64_t qtype, int64_t b) {
+  Decoded o{};
+  if (qtype == Q8_0 || qtype == Q4_0 || qtype == Q4_1) {
+    const uint8_t* blk = row + b * raw_bytes(qtype);
+    o.a = half_to_float(blk);
+    o.b = qtype == Q4_1 ? half_to_float(blk + 2) : 0.0f;
+    const uint8_t* qs = blk + (qtype == Q4_1 ? 4 : 2);
+    for (int v = 0; v < QK; ++v)
+      o.q[v] = qtype == Q8_0 ? (int)(int8_t)qs[v] : (v < 16 ? qs[v] & 0x0F : qs[v - 16] >> 4);
+    return o;
+  }
+  const uint8_t* blk = row + (b / 8) * raw_bytes(qtype);
+  const int sub = b % 8;  // the 32-block within the super-block
+  if (qtype == Q4_K) {
+    // d, dmin (fp16), 12 bytes of 6-bit scales and minimums, 128 bytes of nibbles: 64 values a 32 bytes,
+    // the even 32-block in the low nibbles, the odd one in the high nibbles (llama.cpp's get_scale_min_k4)
+    const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
+    const uint8_t* sc = blk + 4;
+    const int j = sub;
+    const int scale = j < 4 ? sc[j] & 63 : (sc[j + 4] & 0x0F) | ((sc[j - 4] >> 6) << 4);
+    const int min = j < 4 ? sc[j + 4] & 63 : (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+    o.a = d * (float)scale;        // exact: an 11-bit mantissa times 6 bits
+    o.b = -(dmin * (float)min);    // value = a * q + b = (d * sc) * q - dmin * m, as gguf computes it
+    const uint8_t* qs = blk + 16 + 32 * (j / 2);
+    for (int v = 0; v < QK; ++v) o.q[v] = j % 2 ? qs[v] >> 4 : qs[v] & 0x0F;
+    return o;
+  }
+  // Q6_K: ql (128: 4 low bits), qh (64: 2 high bits), 16 int8 scales (one a 16), d (fp16); the values of
+  // each 128-half in four 32-runs: run l of half h is ql[64h + 32(l % 2) + i] (low nibble for l < 2)
+  // with the bits 2l..2l+1 of qh[32h + i]
+  const uint8_t* ql = blk;
+  const uint8_t* qh = blk + 128;
+  const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
+  const float d = half_to_float(blk + 208);
+  const int h = sub / 4, l = sub % 4;
+  for (int i = 0; i < QK; ++i) {
+    const uint8_t lb = ql[64 * h + 32 * (l % 2) + i];
+    const int lo = l < 2 ? lb & 0x0F : lb >> 4;
+    o.q[i] = (lo | (((qh[32 * h + i] >> (2 * l)) & 3) << 4)) - 32;
+  }
+  o.a = d * (float)scales[2 * sub];      // exact: 11 bits times 8
+  o.b = d * (float)scales[2 * sub + 1];
+  return o;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- entry points
+// raw: uint8 [N, K / block values * block bytes], GGUF's blocks of one tensor as stored;
+// -> uint8 [ceil(N / 16), K / 32, record bytes]
+torch::Tensor pack(torch::Tensor raw, int64_t qtype, int64_t K) {
+  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0 || qtype == Q4_K || qtype == Q6_K, "quant.pack: type ",
+              qtype, " is not Q4_0, Q4_1, Q8_0, Q4_K or Q6_K");
+  TORCH_CHECK(K > 0 && K % raw_values(qtype) == 0, "quant.pack: K must be a positive multiple of ", raw_values(qtype));
+  TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == torch::kUInt8 && raw.is_contiguous(), "quant.pack: contiguous uint8 [N, bytes]");
+  const int64_t rt = record_type(qtype), N = raw.size(0), nb = K / QK, RB = record_bytes(rt), QB = quant_bytes(rt);
+  const int64_t row_bytes = K / raw_values(qtype) * raw_bytes(qtype);
+  TORCH_CHECK(raw.size(1) == row_bytes, "quant.pack: ", raw.size(1), " bytes a row, expected ", row_bytes);
+  const int64_t groups = (N + G - 1) / G;
+  auto packed = torch::zeros({groups, nb, RB}, raw.options());
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t b = 0; b < nb; ++b) {
+        uint8_t* rec = dst + (g * nb + b) * RB;
+        for (int j = 0; j < G; ++j) {
+          const int64_t n = g * G + j;
+          if (n >= N) {  // padding: zero scales (and value 0)
+            if (wide(rt))
+              for (int v = 0; v < QK; ++v) rec[wide_at(v, j)] = 0x80;
+            continue;
+          }
+          const Decoded o = decode(src + n * row_bytes, qtype, b);
+          ((float*)(rec + QB))[j] = o.a;
+          if (rt == Q4_1 || rt == Q6_K) ((float*)(rec + QB + 64))[j] = o.b;
+          for (int v = 0; v < QK; ++v) {
+            if (wide(rt)) rec[wide_at(v, j)] = (uint8_t)(o.q[v] + 128);
+            else rec[nibble_at(v, j)] |= (uint8_t)(v < 16 ? o.q[v] : o.q[v] << 4);
+          }
+        }
+      }
+  });
+  return packed;
+}
+
+// packed -> float32 [n, K]: GGUF's dequantisation, value for value, as gguf.quants computes it (Q8_0 and
+// Q6_K: q * d; Q4_0: d * (q - 8); Q4_1 and Q4_K: d * q + m), each a correctly rounded operation
+torch::Tensor dequantize(torch::Tensor packed, int64_t N) {
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(), "quant.dequantize: a packed weight");
+  const int64_t rt = type_of_record(packed.size(2)), nb = packed.size(1), K = nb * QK, QB = quant_bytes(rt);
+  TORCH_CHECK(N <= packed.size(0) * G && N > (packed.size(0) - 1) * G, "quant.dequantize: n does not match the packed rows");
+  auto w = torch::empty({N, K}, torch::dtype(torch::kFloat32));
+  const uint8_t* p = packed.data_ptr<uint8_t>();
+  float* out = w.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* rec = p + ((n / G) * nb + b) * packed.size(2);
+        const int j = n % G;
+        const float a = ((const float*)(rec + QB))[j], second = ((const float*)(rec + QB + 64))[j];
+        float* o = out + n * K + b * QK;
+        for (int v = 0; v < QK; ++v) {
+          if (wide(rt)) {
+            o[v] = (float)(int8_t)(rec[wide_at(v, j)] ^ 0x80) * (rt == Q6_K && v >= 16 ? second : a);
+          } else {
+            const uint8_t byte = rec[nibble_at(v, j)];
+            const int q = v < 16 ? byte & 0x0F : byte >> 4;
+            if (rt == Q4_0) o[v] = a * (float)(q - 8);
+            else o[v] = a * (float)q + second;
+          }
+        }
+      }
+  });
+  return w;
+}
+
+// x [M, K] float32 -> (q int8 [M, K], d float32 [M, K/32], s int32 [M, K/32]): the activation quantisation
+// qproduct uses (for references and tests)
+std::vector<torch::Tensor> quantize_rows(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.size(1) % QK == 0,
+              "quant.quantize_rows: contiguous float32 [M, K], K a multiple of 32");
+  const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
+  auto q = torch::empty({M, K}, torch::dtype(torch::kInt8));
+  auto d = torch::empty({M, nb}, torch::dtype(torch::kFloat32));
+  auto s = torch::empty({M, nb}, torch::dtype(torch::kInt32));
+  const float* xp = x.data_ptr<float>();
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t b = 0; b < nb; ++b)
+      s.data_ptr<int32_t>()[r * nb + b] =
+          quantize_block(xp + r * K + b * QK, q.data_ptr<int8_t>() + r * K + b * QK, d.data_ptr<float>() + r * nb + b);
+  return {q, d, s};
+}
+
+// y [M, n] = x [M, K] @ W.T (+ residual), W packed by pack (its record type read from the record size)
+torch::Tensor qproduct(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> residual) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "qproduct: contiguous float32 x [M, K]");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(), "qproduct: a packed weight");
+  const int64_t rt = type_of_record(packed.size(2)), M = x.size(0), K = x.size(1), nb = packed.size(1);
+  TORCH_CHECK(K == nb * QK, "qproduct: x has ", K, " columns, the weight ", nb * QK);
+  TORCH_CHECK(N <= packed.size(0) * G && N > (packed.size(0) - 1) * G, "qproduct: n does not match the packed rows");
+  const bool has_res = residual.has_value() && residual->defined();
+  if (has_res)
+    TORCH_CHECK(residual->scalar_type() == torch::kFloat32 && residual->is_contiguous() && residual->dim() == 2 &&
+                    residual->size(0) == M && residual->size(1) == N, "qproduct: residual must be contiguous float32 [M, n]");
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  // the rows quantised block by block, block-major: act[b * M + r]
+  std::vector<ActBlock> act(nb * M);
+  const int32_t offset = wide(rt) ? -128 : rt == Q4_0 ? -8 : 0;
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, M, 8, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t b = 0; b < nb; ++b) {
+        ActBlock& ab = act[b * M + r];
+        const int8_t* q = reinterpret_cast<const int8_t*>(ab.q);
+        const int32_t sum = quantize_block(xp + r * K + b * QK, reinterpret_cast<int8_t*>(ab.q), &ab.d);
+        int32_t sum0 = 0;
+        for (int i = 0; i < QK / 2; ++i) sum0 += q[i];
+        ab.ds = ab.d * (float)sum;
+        ab.corr = offset * (rt == Q6_K ? sum0 : sum);
+        ab.corr1 = rt == Q6_K ? offset * (sum - sum0) : 0;
+      }
+  });
+  const float* rp = has_res ? residual->data_ptr<float>() : nullptr;
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  if (rt == Q8_0) product_impl<Q8_0>(act.data(), M, nb, wp, N, yp, rp);
+  else if (rt == Q4_0) product_impl<Q4_0>(act.data(), M, nb, wp, N, yp, rp);
+  else if (rt == Q4_1) product_impl<Q4_1>(act.data(), M, nb, wp, N, yp, rp);
+  else product_impl<Q6_K>(act.data(), M, nb, wp, N, yp, rp);
+  return y;
+}
+
+// which integer path this build took: "avx512-vnni", "avx2" or "scalar"
+std::string path() {
+#if defined(DQ_VNNI)
+  return "avx512-vnni";
+#elif defined(DQ_AVX2)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using release = py::call_guard<py::gil_scoped_release>;
+  m.def("pack", &pack, "GGUF blocks [N, bytes] of a Q4_0/Q4_1/Q8_0/Q4_K/Q6_K tensor -> the packed weight", py::arg("raw"),
+        py::arg("qtype"), py::arg("k"), release());
+  m.def("dequantize", &dequantize, "packed weight -> float32 [n, K], GGUF's values", py::arg("packed"), py::arg("n"), release());
+  m.def("quantize_rows", &quantize_rows, "x [M, K] -> (int8 q, float32 d, int32 sum) per block of 32", release());
+  m.def("qproduct", &qproduct, "x @ W.T (+ residual) on a packed quantised weight, exact integer blocks, row-invariant",
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("residual") = py::none(), release());
+  m.def("path", &path, "the integer path this build took");
+}

@@ -1,0 +1,120 @@
+"""The lean forward on block-quantised weights: the model's own GGUF file as stored, or Q8_0 at load.
+
+Every product of the decoder and the output layer runs on ``dartree.quant`` (integer block sums of
+int8-quantised activations with the weight's 4- or 8-bit quants, float block terms in one fixed
+order per row): a row's bits do not depend on the row count or on what shares the forward, so this
+target is row-invariant like the fp32 lean forward and every method reproduces its ``ar`` token for
+token. Norms, RoPE, attention, the K/V store and the residual stream stay float32 (``lean.forward``).
+
+``weights="file"`` reads a GGUF file's Q8_0 / Q4_0 / Q4_1 tensors as stored (Llama's q and k rows
+put back into Hugging Face's order, checked against the model at load); ``weights="q8_0"`` quantises
+a float32 Hugging Face model's weights to Q8_0 (GGUF's own format, bit for bit).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .. import quant
+from ..errors import DartreeError
+from .lean import LeanWeights
+
+WEIGHTS = ("float32", "file", "q8_0")  # the target's weights: dequantised float32, the file as stored, Q8_0 at load
+ROLES = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",), "gate_up": ("ffn_gate", "ffn_up"),
+         "down": ("ffn_down",)}
+
+
+def _llama_rope_rows(rows: int, heads: int) -> torch.Tensor:
+    """The Hugging Face row of each GGUF row of a Llama q or k weight: llama.cpp's converter
+    interleaves each head's two rotary halves (``permute``); this gives its inverse as an index."""
+    order = torch.arange(rows).reshape(heads, 2, rows // heads // 2).transpose(1, 2).reshape(rows)
+    return torch.argsort(order)
+
+
+class GGUFTensors:
+    """The raw blocks of a GGUF file's tensors, by name (the file parsed once)."""
+
+    def __init__(self, path: str | Path):
+        import gguf
+
+        self.path = Path(path)
+        try:
+            self.reader = gguf.GGUFReader(str(self.path))
+        except Exception as exc:  # noqa: BLE001 - any parse failure is a bad file
+            raise DartreeError(f"{self.path}: not a readable GGUF file ({type(exc).__name__}: {exc}); "
+                               "check the file is complete (re-download or re-install its package)") from None
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        arch = self.reader.fields.get("general.architecture")
+        self.arch = bytes(arch.parts[arch.data[0]]).decode() if arch is not None else "?"
+
+    def raw(self, name: str) -> tuple[str, torch.Tensor, int]:
+        """(quantisation type, uint8 blocks [N, bytes per row], K) of tensor ``name``."""
+        if name not in self.tensors:
+            raise DartreeError(f"{self.path.name}: no tensor {name!r}; is this the model's own GGUF file?")
+        t = self.tensors[name]
+        qtype = t.tensor_type.name
+        if qtype not in quant.TYPES:
+            raise DartreeError(f"{self.path.name}: tensor {name} is {qtype}; products on the file as stored take "
+                               f"{', '.join(quant.TYPES)}; load with weights='float32' (the dequantised model) or 'q8_0'")
+        k = int(t.shape[0])
+        values, size = quant.BLOCK_FORMAT[qtype]  # values and bytes per block
+        return qtype, torch.from_numpy(t.data.copy()).reshape(-1, k // values * size), k
+
+
+class QuantizedWeights(LeanWeights):
+    """``LeanWeights`` whose products run on block-quantised weights (``quant.QuantWeight``)."""
+
+    row_invariant = True
+
+    def __init__(self, model: nn.Module, weights: str = "file", gguf: str | Path | None = None):
+        if weights not in ("file", "q8_0"):
+            raise DartreeError(f"quantised weights are 'file' or 'q8_0', got {weights!r}")
+        if weights == "file" and gguf is None:
+            raise DartreeError("weights='file' needs the model's GGUF file; this target was not loaded from one "
+                               "(use weights='q8_0' to quantise it at load, or 'float32')")
+        if not quant.available():
+            raise DartreeError("the quantised products could not be built on this machine (see the message above); "
+                               "use weights='float32'")
+        self.source = GGUFTensors(gguf) if weights == "file" else None
+        super().__init__(model, products="exact")
+        self.products = weights  # "file" or "q8_0": ``product`` below, not the float kernels
+
+    @property
+    def products_name(self) -> str:
+        return "q8_0" if self.source is None else "+".join(sorted({w.qtype.lower() for w in self._all()}))
+
+    def _all(self):
+        for layer in self.layers:
+            yield from (layer.qkv, layer.o, layer.gate_up, layer.down)
+        yield self.output
+
+    def prepare(self, role: str, layer: int | None, float_weight) -> quant.QuantWeight:
+        """The packed weight of ``role`` in ``layer`` (the output layer: role "output")."""
+        if self.source is None:
+            return quant.quantize_q8_0(float_weight())
+        if role == "output":
+            name = "output.weight" if "output.weight" in self.source.tensors else "token_embd.weight"
+            qtype, raw, k = self.source.raw(name)
+            return quant.QuantWeight.from_blocks(qtype, raw, k)
+        parts = []
+        for tensor in ROLES[role]:
+            qtype, raw, k = self.source.raw(f"blk.{layer}.{tensor}.weight")
+            if self.source.arch == "llama" and tensor in ("attn_q", "attn_k"):
+                raw = raw[_llama_rope_rows(raw.shape[0], self.heads if tensor == "attn_q" else self.kv_heads)]
+            parts.append((qtype, raw))
+        if len({q for q, _ in parts}) != 1:
+            raise DartreeError(f"layer {layer}: {role} mixes quantisation types {[q for q, _ in parts]}; "
+                               "load with weights='q8_0' or 'float32'")
+        weight = quant.QuantWeight.from_blocks(parts[0][0], torch.cat([r for _, r in parts]), k)
+        if layer == 0 and role == "qkv":  # the file is this model's: its values are the checkpoint's
+            got, want = quant.dequantize(weight), float_weight()
+            if got.shape != want.shape or not torch.equal(got, want.to(got.dtype)):
+                raise DartreeError(f"{self.source.path.name} does not hold this model's weights (layer 0's q, k, v "
+                                   "differ from the checkpoint's); pass the GGUF file the checkpoint came from")
+        return weight
+
+    def product(self, x: torch.Tensor, weight, n: int, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return quant.qproduct(x, weight, residual)
