@@ -75,6 +75,9 @@ class QuantizedWeights(LeanWeights):
         if weights == "file" and gguf is None:
             raise DartreeError("weights='file' needs the model's GGUF file; this target was not loaded from one "
                                "(use weights='q8_0' to quantise it at load, or 'float32')")
+        if next(model.parameters()).dtype != torch.float32:
+            raise DartreeError(f"quantised weights run a float32 model (their activations and residuals are float32); "
+                               f"this one is {next(model.parameters()).dtype}: load it with dtype=torch.float32")
         if not quant.available():
             raise DartreeError("the quantised products could not be built on this machine (see the message above); "
                                "use weights='float32'")

@@ -1,0 +1,194 @@
+"""The quantised target (``targets/quantized.py``): the lean forward on integer products over GGUF
+blocks (a tiny GGUF written here, as llama.cpp's converter writes Llama) or Q8_0 at load. It is
+row-invariant, so every method reproduces its own greedy decoding token for token (hypothesis) and
+samples its own distribution at T = 1 (chi-square); bad files and settings give one clear error."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from conftest import synthetic_cost
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tiny import make_tiny_drafter, make_tiny_target
+
+import dartree
+from dartree.errors import DartreeError
+from dartree.loading import load_drafter, load_target
+from dartree.pipeline import Pipeline
+from dartree.targets import LeanTarget, forward_tree, prefill
+from dartree.targets.quantized import QuantizedWeights
+from dartree.trees import available_methods
+
+gguf = pytest.importorskip("gguf")
+METHODS = available_methods(True, True)
+LLAMA_ROLES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+               "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+
+
+def write_tiny_gguf(model_dir, out_dir, qtype=gguf.GGMLQuantizationType.Q4_1):
+    """Quantise a tiny float32 Llama's linear weights to ``qtype`` (the output layer to Q8_0) into a
+    GGUF file with llama.cpp's names and q/k row order, and save the model with the dequantised
+    values (what a checkpoint converted from that file holds). Returns (checkpoint dir, gguf path)."""
+    from gguf import quants
+
+    model = load_target(model_dir, torch.float32, "cpu")
+    cfg = model.config
+    path = out_dir / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+
+    def put(name, weight, kind, rows_permuted_for=None):
+        w = weight.detach().numpy().astype(np.float32)
+        if rows_permuted_for is not None:  # llama.cpp's converter interleaves each head's rotary halves
+            h = rows_permuted_for
+            w = w.reshape(h, 2, w.shape[0] // h // 2, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
+        raw = quants.quantize(w, kind)
+        writer.add_tensor(name, raw, raw_dtype=kind)
+        back = quants.dequantize(raw, kind)
+        if rows_permuted_for is not None:
+            h = rows_permuted_for
+            back = back.reshape(h, back.shape[0] // h // 2, 2, back.shape[1]).swapaxes(1, 2).reshape(back.shape)
+        weight.data.copy_(torch.from_numpy(np.ascontiguousarray(back)))
+
+    with torch.no_grad():
+        for i, block in enumerate(model.model.layers):
+            for hf, name in LLAMA_ROLES.items():
+                module = getattr(block.self_attn if hf.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else block.mlp, hf)
+                heads = cfg.num_attention_heads if hf == "q_proj" else cfg.num_key_value_heads if hf == "k_proj" else None
+                put(f"blk.{i}.{name}.weight", module.weight, qtype, heads)
+        put("output.weight", model.lm_head.weight, gguf.GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    model.save_pretrained(out_dir / "checkpoint")
+    return out_dir / "checkpoint", path
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf")
+    target = make_tiny_target(root / "t", family="llama", vocab_size=16, hidden_size=64, num_layers=2, seed=7,
+                              logit_scale=3.0)
+    checkpoint, path = write_tiny_gguf(target, root)
+    drafter = make_tiny_drafter(root / "d", checkpoint, head="domino", block_size=5, seed=8)
+    return checkpoint, path, drafter
+
+
+@pytest.fixture(scope="module")
+def file_pipe(tiny_gguf):
+    checkpoint, path, drafter = tiny_gguf
+    pipe = Pipeline(load_target(checkpoint, torch.float32, "cpu"), load_drafter(drafter, dtype=torch.float32),
+                    weights="file", gguf=path, cost_model=synthetic_cost(1.0, 0.05, draft_ms=0.5, tree_ms=0.2))
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def q8_pipe(model_dirs):
+    pipe = dartree.load(model_dirs[("qwen3", "target")], model_dirs[("qwen3", "domino")], dtype=torch.float32,
+                        weights="q8_0", cost_model=synthetic_cost(1.0, 0.05, draft_ms=0.5, tree_ms=0.2))
+    return pipe
+
+
+def test_the_file_target_runs_the_files_blocks(file_pipe, tiny_gguf):
+    target = file_pipe.target
+    assert isinstance(target, LeanTarget) and target.row_invariant and target.name == "lean-q4_1+q8_0"
+    assert isinstance(target.weights, QuantizedWeights)
+    # close to the float32 forward over the same (dequantised) weights: only the activations' int8 rounding differs
+    float_target = LeanTarget(file_pipe.target_model, [])
+    ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
+    (q, _), (f, _) = prefill(target, ids), prefill(float_target, ids)
+    assert not torch.equal(q, f)
+    assert (q - f).abs().max() < 0.05 * f.abs().max()
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_tree_rows_equal_their_paths_bitwise_on_quantised_weights(file_pipe, q8_pipe, data):
+    """Each row of one tree forward has exactly the logits of its own path decoded one token at a time."""
+    target = data.draw(st.sampled_from([file_pipe.target, q8_pipe.target]))
+    vocab = target.weights.vocab
+    size = data.draw(st.integers(1, 40))
+    parents = [-1] + [data.draw(st.integers(0, i)) for i in range(size)]
+    depths, visible = [0] * (size + 1), torch.eye(size + 1, dtype=torch.bool)
+    for i in range(1, size + 1):
+        depths[i] = depths[parents[i]] + 1
+        visible[i] |= visible[parents[i]]
+    tokens = torch.tensor(data.draw(st.lists(st.integers(0, vocab - 1), min_size=size + 1, max_size=size + 1)))
+    prefill(target, torch.tensor(data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=30))))
+    start = target.slot_length(0)
+    tree_logits, _ = forward_tree(target, tokens, torch.tensor(depths), visible)
+    for row in data.draw(st.lists(st.integers(0, size), min_size=1, max_size=3, unique=True)):
+        path = [row]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        target.keep(0, start, torch.zeros(0, dtype=torch.long))
+        for r in reversed(path):
+            step, _ = forward_tree(target, tokens[r:r + 1], torch.zeros(1, dtype=torch.long))
+        assert torch.equal(step[0], tree_logits[row])
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(which=st.sampled_from(["file", "q8_0"]), prompt=st.lists(st.integers(0, 7), min_size=1, max_size=12),
+       method=st.sampled_from(METHODS), budget=st.sampled_from([4, 16, "auto"]), max_new_tokens=st.integers(1, 24))
+def test_every_method_reproduces_the_quantised_targets_greedy_text(file_pipe, q8_pipe, which, prompt, method, budget,
+                                                                  max_new_tokens):
+    pipe = file_pipe if which == "file" else q8_pipe
+    ar = pipe.generate(input_ids=prompt, method="ar", max_new_tokens=max_new_tokens, stop_token_ids=[]).token_ids
+    out = pipe.generate(input_ids=prompt, method=method, budget=budget, max_new_tokens=max_new_tokens, stop_token_ids=[])
+    assert out.token_ids == ar
+
+
+def test_drafts_are_accepted_on_the_quantised_target(file_pipe):
+    """The identity above is only meaningful if verification accepts draft tokens there."""
+    stats = [file_pipe.generate(input_ids=[i, (3 * i) % 16], method="dartree", budget=16, max_new_tokens=24,
+                                stop_token_ids=[]).stats for i in range(6)]
+    assert sum(sum(s.acceptance_lengths) - s.rounds for s in stats) > 0
+
+
+def test_temperature_one_samples_the_quantised_targets_distribution(tmp_path):
+    """The joint of the first three tokens (prefill, root sample, the accepted child's sample) matches
+    the quantised target's own distribution, enumerated with its own forward (chi-square, p = 1e-4)."""
+    from test_lossless_sampling import chi_square_rejects
+
+    vocab, prompt, samples = 4, [1, 2], 2000
+    target_dir = make_tiny_target(tmp_path / "t", vocab_size=vocab, hidden_size=32, num_layers=2, seed=3)
+    drafter = make_tiny_drafter(tmp_path / "d", target_dir, head="domino", block_size=4, seed=5)
+    pipe = dartree.load(target_dir, drafter, dtype=torch.float32, weights="q8_0",
+                        cost_model=synthetic_cost(1.0, 0.05, draft_ms=0.5, tree_ms=0.2))
+    truth = {}
+    for a in range(vocab):
+        for b in range(vocab):
+            first, _ = prefill(pipe.target, torch.tensor(prompt))  # p(a | prompt), then p(b | .. a), p(c | .. a b)
+            rest, _ = forward_tree(pipe.target, torch.tensor([a, b]), torch.arange(2))
+            logp = [torch.log_softmax(x.double(), -1) for x in (first, rest[0], rest[1])]
+            for c in range(vocab):
+                truth[(a, b, c)] = math.exp(logp[0][a] + logp[1][b] + logp[2][c])
+    counts = {}
+    for seed in range(samples):
+        res = pipe.generate(input_ids=prompt, method="dartree", max_new_tokens=3, temperature=1.0, seed=seed, budget=4,
+                            width=2, tree_top_k=4, stop_token_ids=[])
+        counts[tuple(res.token_ids)] = counts.get(tuple(res.token_ids), 0) + 1
+    rejected, stat, crit = chi_square_rejects(counts, truth, samples)
+    assert not rejected, f"chi-square {stat:.1f} > {crit:.1f}"
+
+
+def test_bad_weights_settings_and_files_give_one_clear_error(tmp_path, model_dirs, tiny_gguf):
+    target = model_dirs[("llama", "target")]
+    with pytest.raises(DartreeError, match="weights must be"):
+        dartree.load(target, dtype=torch.float32, weights="q3_k")
+    with pytest.raises(DartreeError, match="bundled model's GGUF"):
+        dartree.load(target, dtype=torch.float32, weights="file")
+    with pytest.raises(DartreeError, match="float32 model"):
+        dartree.load(target, dtype=torch.float64, weights="q8_0")
+    checkpoint, path, _ = tiny_gguf
+    model = load_target(checkpoint, torch.float32, "cpu")
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(DartreeError, match="not a readable GGUF file"):
+        QuantizedWeights(model, "file", truncated)
+    other = load_target(make_tiny_target(tmp_path / "other", family="llama", vocab_size=16, hidden_size=64,
+                                         num_layers=2, seed=99), torch.float32, "cpu")
+    with pytest.raises(DartreeError, match="does not hold this model's weights"):
+        QuantizedWeights(other, "file", path)
