@@ -9,7 +9,8 @@ of the seven benchmarks, each prompt once, streamed, T = 0) through the OpenAI A
 
 - ``dartree serve --max-batch C`` on the default model (its own process, as llama-server is) for each
   of ``--methods`` (budget auto where the method is ranked, or a fixed per-request budget given as
-  ``method:budget``), and
+  ``method:budget``; ``@float32`` after either serves the dequantised float32 weights instead of the
+  Q4_1 file as stored), and
 - ``llama-server -np C`` on the F32 GGUF of the same weights and on the shipped Q4_1 file.
 
 Reported per (engine, C): throughput (completion tokens over the wall time from the first request
@@ -41,11 +42,13 @@ def rss_mb(pid: int | str = "self") -> float:
 
 
 def start_dartree(method: str, threads: int, slots: int, port: int, max_tokens: int) -> subprocess.Popen:
-    """``method`` is a method name, or ``name:budget`` for a fixed per-request budget."""
+    """``method`` is a method name, or ``name:budget`` for a fixed per-request budget, either followed by
+    ``@weights`` for the target's weights (``--weights``: file, float32, q8_0; default auto)."""
+    method, _, weights = method.partition("@")
     name, _, budget = method.partition(":")
     proc = subprocess.Popen([str(ROOT / ".venv" / "bin" / "dartree"), "serve", "--port", str(port), "--threads", str(threads),
                              "--max-batch", str(slots), "--max-queue", "64", "--method", name, "--max-new-tokens", str(max_tokens),
-                             *(["--budget", budget] if budget else [])],
+                             *(["--budget", budget] if budget else []), *(["--weights", weights] if weights else [])],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     from dartree.bench.llama_cpp import wait_healthy
 

@@ -18,17 +18,26 @@ def pipe():
     return dartree.load()
 
 
-def test_default_model_loads_offline(pipe):
+@pytest.fixture(scope="module")
+def float32_pipe():
+    return dartree.load(weights="float32")
+
+
+def test_default_model_loads_offline(pipe, float32_pipe):
     assert pipe.target_model.config.num_hidden_layers == 30 and pipe.target_model.config.vocab_size == 49152
     assert pipe.drafter is not None and pipe.drafter.config.projector_type == "domino"
     assert set(pipe.methods) == set(dartree.METHODS)
+    # the file as stored by default where the integer kernels run; the dequantised float32 one a setting away
+    assert pipe.target.name == "lean-q4_1+q8_0" and float32_pipe.target.name == "lean"
 
 
+@pytest.mark.parametrize("weights", ["file", "float32"])
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_dartree_reproduces_ar(pipe, prompt):
-    ar = pipe.generate(prompt, method="ar", max_new_tokens=48)
+def test_dartree_reproduces_ar(pipe, float32_pipe, prompt, weights):
+    target = pipe if weights == "file" else float32_pipe
+    ar = target.generate(prompt, method="ar", max_new_tokens=48)
     for budget in (16, 64):
-        dt = pipe.generate(prompt, method="dartree", max_new_tokens=48, budget=budget)
+        dt = target.generate(prompt, method="dartree", max_new_tokens=48, budget=budget)
         assert dt.token_ids == ar.token_ids
         assert dt.stats.mean_acceptance > 1.0  # the shipped drafter does get tokens accepted
     assert ar.text.strip()
@@ -37,9 +46,9 @@ def test_dartree_reproduces_ar(pipe, prompt):
 def test_markov_drafter_reproduces_ar(pipe):
     from dartree.default_model import MARKOV_DRAFTER, default_drafter_dir, default_target_dir
 
-    markov = dartree.load(default_target_dir(), default_drafter_dir(MARKOV_DRAFTER))
-    assert markov.drafter.config.projector_type == "markov"
-    ar = pipe.generate(PROMPTS[0], method="ar", max_new_tokens=32)
+    markov = dartree.load(default_target_dir(), default_drafter_dir(MARKOV_DRAFTER))  # the float32 checkpoint
+    assert markov.drafter.config.projector_type == "markov" and markov.target.name == "lean"
+    ar = markov.generate(PROMPTS[0], method="ar", max_new_tokens=32)
     assert markov.generate(PROMPTS[0], method="dartree", max_new_tokens=32, budget=32).token_ids == ar.token_ids
 
 
