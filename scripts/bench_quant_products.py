@@ -6,8 +6,8 @@ SmolLM2-135M's shapes, by row count and thread count.
 
 Each layer shape has 30 copies (one per layer) and the output layer one, walked in turn as a forward
 walks them, so the weights come from memory, not from a cache that one weight would fit in. A time is
-the median of single products over ``--repeats`` passes; the ratio is fp32 time / quantised time
-(above 1: the quantised product is faster). The "forward" rows are the 121 products of one forward
+the median (and, in a second table, the minimum) of single products over ``--repeats`` passes; the
+ratio is fp32 time / quantised time (above 1: the quantised product is faster). The "forward" rows are the 121 products of one forward
 (30 x [o, qkv, gate_up, down] + output). The weights are random blocks (the time does not depend on
 the values); every backend's row invariance is checked on the down and output shapes at the end.
 The K-quants are left out: SmolLM2's K = 576 is no multiple of their 256 (Q4_K runs Q4_1's kernel).
@@ -41,9 +41,10 @@ def random_blocks(qtype: str, n: int, k: int, gen: torch.Generator) -> torch.Ten
     return raw.reshape(n, nb * size)
 
 
-def median_us(run, copies: int, repeats: int) -> float:
-    """Median over every call of ``repeats`` passes over the copies (one warm-up pass first): a median of
-    single calls, so that a call held up by another process on a shared machine does not set the time."""
+def time_us(run, copies: int, repeats: int) -> tuple[float, float]:
+    """(median, minimum) over every call of ``repeats`` passes over the copies (one warm-up pass first), in
+    microseconds: single calls, so that a call held up by another process on a shared machine does not set
+    the median; the minimum is what a call takes when it has the cores to itself."""
     for i in range(copies):  # warm-up pass
         run(i)
     times = []
@@ -52,7 +53,18 @@ def median_us(run, copies: int, repeats: int) -> float:
             t0 = time.perf_counter()
             run(i)
             times.append(time.perf_counter() - t0)
-    return 1e6 * statistics.median(times)
+    return 1e6 * statistics.median(times), 1e6 * min(times)
+
+
+def table(us: dict, names: list[str], threads: list[int], rows: list[int], stat: int) -> None:
+    print("| shape | threads | rows | fp32 us | " + " | ".join(f"{qt} us (fp32/{qt})" for qt in BENCH_TYPES) + " |")
+    print("|---|---:|---:|---:|" + "---:|" * len(BENCH_TYPES))
+    for name in names:
+        for t in threads:
+            for m in rows:
+                f = us[t, name, m, "fp32"][stat]
+                cells = " | ".join(f"{us[t, name, m, qt][stat]:.1f} ({f / us[t, name, m, qt][stat]:.2f}x)" for qt in BENCH_TYPES)
+                print(f"| {name} | {t} | {m} | {f:.1f} | {cells} |")
 
 
 def main() -> None:
@@ -74,7 +86,7 @@ def main() -> None:
         backends[qt] = (lambda qt: lambda name, i, x: qext.qproduct(x, quantised[qt][name][i].packed, SHAPES[name][0]))(qt)
     rows, threads = [int(r) for r in args.rows.split(",")], [int(t) for t in args.threads.split(",")]
     load_before = os.getloadavg()
-    us = {}  # (threads, shape, rows, backend) -> microseconds per product
+    us = {}  # (threads, shape, rows, backend) -> (median, minimum) microseconds per product
     with torch.no_grad():
         for t in threads:
             torch.set_num_threads(t)
@@ -82,13 +94,12 @@ def main() -> None:
                 for m in rows:
                     x = torch.randn(m, k, generator=gen)
                     for b, run in backends.items():
-                        us[t, name, m, b] = median_us(lambda i: run(name, i, x), copies, args.repeats)
-                    print(f"threads {t} {name} rows {m}: " + "  ".join(f"{b} {us[t, name, m, b]:.1f}us" for b in backends),
+                        us[t, name, m, b] = time_us(lambda i: run(name, i, x), copies, args.repeats)
+                    print(f"threads {t} {name} rows {m}: " + "  ".join(f"{b} {us[t, name, m, b][0]:.1f}us" for b in backends),
                           flush=True)
-                for m in rows:  # one forward's products
-                    for b in backends:
-                        us.setdefault((t, "forward", m, b), 0.0)
-                        us[t, "forward", m, b] += us[t, name, m, b] * copies
+            for m in rows:  # one forward's products
+                for b in backends:
+                    us[t, "forward", m, b] = tuple(sum(us[t, name, m, b][i] * SHAPES[name][2] for name in SHAPES) for i in (0, 1))
     invariant = {}
     for b, run in backends.items():
         ok = True
@@ -102,18 +113,14 @@ def main() -> None:
     print(f"machine: {describe_machine()}; quantised path: {qext.path()}; torch {torch.__version__}; "
           f"load average before/after: {load_before[0]:.2f}/{os.getloadavg()[0]:.2f}")
     print("row-invariant: " + ", ".join(f"{b} {'yes' if ok else 'NO'}" for b, ok in invariant.items()))
-    print()
-    print("| shape | threads | rows | fp32 us | " + " | ".join(f"{qt} us (fp32/{qt})" for qt in BENCH_TYPES) + " |")
-    print("|---|---:|---:|---:|" + "---:|" * len(BENCH_TYPES))
-    for name in list(SHAPES) + ["forward"]:
-        for t in threads:
-            for m in rows:
-                f = us[t, name, m, "fp32"]
-                cells = " | ".join(f"{us[t, name, m, qt]:.1f} ({f / us[t, name, m, qt]:.2f}x)" for qt in BENCH_TYPES)
-                print(f"| {name} | {t} | {m} | {f:.1f} | {cells} |")
+    print("\nMedian of single products:\n")
+    table(us, list(SHAPES) + ["forward"], threads, rows, 0)
+    print("\nMinimum of single products (a call with the cores to itself):\n")
+    table(us, list(SHAPES) + ["forward"], threads, rows, 1)
     if args.out:
         record = {"machine": describe_machine(), "path": qext.path(), "torch": torch.__version__, "load_average": load_before,
-                  "us": {"/".join(map(str, key)): round(v, 2) for key, v in us.items()}, "row_invariant": invariant}
+                  "us_median_min": {"/".join(map(str, key)): [round(v, 2) for v in vs] for key, vs in us.items()},
+                  "row_invariant": invariant}
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)
 

@@ -28,7 +28,7 @@ def test_generate_plain_text_and_stats_line(model_dirs, capsys):
     rc = main(args)  # streamed as rounds are verified: the same text
     captured = capsys.readouterr()
     assert rc == 0 and text.strip() and captured.out == text + "\n"
-    assert "[heap]" in captured.err and "mean acceptance" in captured.err
+    assert "[heap on lean]" in captured.err and "mean acceptance" in captured.err  # the method and the target it ran
 
 
 def test_generate_says_when_budget_auto_took_plain_steps(model_dirs, capsys, monkeypatch):

@@ -468,7 +468,8 @@ torch::Tensor qproduct(torch::Tensor x, torch::Tensor packed, int64_t N, c10::op
   std::vector<ActBlock> act(nb * M);
   const int32_t offset = wide(rt) ? -128 : rt == Q4_0 ? -8 : 0;
   const float* xp = x.data_ptr<float>();
-  at::parallel_for(0, M, 8, [&](int64_t r0, int64_t r1) {
+  // cheap next to the products: split over threads only for many rows (a parallel region costs a sync)
+  at::parallel_for(0, M, std::max<int64_t>(1, (1 << 16) / K), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
       for (int64_t b = 0; b < nb; ++b) {
         ActBlock& ab = act[b * M + r];
