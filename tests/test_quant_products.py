@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dartree import quant
+from dartree.hardware import cpu_info
 
 gguf = pytest.importorskip("gguf")
 ext = quant.load()
@@ -75,8 +76,10 @@ def test_each_row_has_the_same_bits_whatever_shares_the_call(qtype, n, k):
 
 @pytest.mark.parametrize("variant", list(quant.VARIANTS))
 def test_every_instruction_set_path_gives_the_same_bits(variant):
+    if variant == "avx2" and "avx2" not in cpu_info()[1]:
+        pytest.skip("no AVX2 on this CPU")
     other = quant.load(extra_cflags=quant.VARIANTS[variant])
-    assert other.path() == ("avx2" if variant == "avx2" else "scalar")
+    assert other.path() == variant
     for k, ns in ((576, (960, 16, 1)), (1536, (100,)), (32, (100, 16, 1)), (256, (100, 1))):
         x = activations(130, k, seed=k)
         for a, b in zip(quant.quantize_rows(x), quant.quantize_rows(x, other)):

@@ -31,6 +31,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 // DARTREE_SCALAR (a compile-time macro) keeps every product on the scalar code, for the tests
@@ -96,25 +97,86 @@ struct alignas(16) ActBlock {
 };
 static_assert(sizeof(ActBlock) == 48, "ActBlock is 48 bytes");
 
-// llama.cpp's Q8_0 for one block: d = max|x| / 127, q = round-to-nearest-even(x * (1 / d)); a NaN in the
-// block makes d NaN (and q 0). Returns sum(q).
+// llama.cpp's Q8_0 for one block: d = max|x| / 127, q = round-to-nearest-even(x * (1 / d)), |q| <= 127; a block
+// holding a NaN or an infinity gets d = NaN and q = 0 (its row's outputs become NaN). Returns sum(q). Every
+// step is exact or correctly rounded (max, abs, one division, one multiplication, rounding to an integer),
+// so the vector paths give the scalar code's bits.
 inline int32_t quantize_block(const float* xb, int8_t* q, float* d) {
+#if defined(DQ_VNNI)
+  const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+  const __m512 zero = _mm512_setzero_ps();
+  // finite: x - x == 0 (NaN and infinities give NaN)
+  const bool finite = (_mm512_cmp_ps_mask(_mm512_sub_ps(x0, x0), zero, _CMP_EQ_OQ) &
+                       _mm512_cmp_ps_mask(_mm512_sub_ps(x1, x1), zero, _CMP_EQ_OQ)) == 0xFFFF;
+  if (finite) {
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+    const float db = amax / 127.0f;
+    const __m512 id = _mm512_set1_ps(db != 0.0f ? 1.0f / db : 0.0f);
+    const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+    constexpr int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    const __m512i i0 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(_mm512_mul_ps(x0, id), nearest), lo), hi));
+    const __m512i i1 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(_mm512_mul_ps(x1, id), nearest), lo), hi));
+    _mm_storeu_si128((__m128i*)q, _mm512_cvtepi32_epi8(i0));
+    _mm_storeu_si128((__m128i*)(q + 16), _mm512_cvtepi32_epi8(i1));
+    *d = db;
+    return _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+  }
+#elif defined(DQ_AVX2)
+  __m256 x[4];
+  for (int i = 0; i < 4; ++i) x[i] = _mm256_loadu_ps(xb + 8 * i);
+  const __m256 zero = _mm256_setzero_ps();
+  int finite_bits = 0xFF;
+  for (int i = 0; i < 4; ++i) finite_bits &= _mm256_movemask_ps(_mm256_cmp_ps(_mm256_sub_ps(x[i], x[i]), zero, _CMP_EQ_OQ));
+  if (finite_bits == 0xFF) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, x[0]), _mm256_andnot_ps(sign, x[1])),
+                             _mm256_max_ps(_mm256_andnot_ps(sign, x[2]), _mm256_andnot_ps(sign, x[3])));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+    const float db = amax / 127.0f;
+    const __m256 id = _mm256_set1_ps(db != 0.0f ? 1.0f / db : 0.0f);
+    const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+    __m256i v[4];
+    for (int i = 0; i < 4; ++i)
+      v[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(
+          _mm256_round_ps(_mm256_mul_ps(x[i], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), lo), hi));
+    // to bytes in order (llama.cpp's packing): the packs interleave 128-bit lanes, one permutation undoes it
+    const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+    _mm256_storeu_si256((__m256i*)q, _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    const __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
+    *d = db;
+    return _mm_cvtsi128_si32(s4);
+  }
+#else
+  bool finite = true;
   float amax = 0.0f;
   for (int i = 0; i < QK; ++i) {
+    finite &= xb[i] - xb[i] == 0.0f;
     const float a = std::fabs(xb[i]);
-    amax = (a > amax || a != a) && amax == amax ? a : amax;
+    amax = a > amax ? a : amax;
   }
-  const float db = amax / 127.0f;
-  const float id = db != 0.0f ? 1.0f / db : 0.0f;
-  int32_t sum = 0;
-  for (int i = 0; i < QK; ++i) {
-    float v = std::nearbyint(xb[i] * id);  // round to nearest even (the default rounding mode)
-    v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
-    q[i] = v == v ? (int8_t)(int)v : 0;
-    sum += q[i];
+  if (finite) {
+    const float db = amax / 127.0f;
+    const float id = db != 0.0f ? 1.0f / db : 0.0f;
+    int32_t sum = 0;
+    for (int i = 0; i < QK; ++i) {
+      float v = std::nearbyint(xb[i] * id);  // round to nearest even (the default rounding mode)
+      v = v < -127.0f ? -127.0f : (v > 127.0f ? 127.0f : v);
+      q[i] = (int8_t)(int)v;
+      sum += q[i];
+    }
+    *d = db;
+    return sum;
   }
-  *d = db;
-  return sum;
+#endif
+  std::memset(q, 0, QK);
+  *d = std::numeric_limits<float>::quiet_NaN();
+  return 0;
 }
 
 // ---------------------------------------------------------------- one tile: R rows x 16 outputs
@@ -246,7 +308,8 @@ inline void tile(const uint8_t* rec, const ActBlock* act, int64_t M, int64_t nb,
     const uint8_t* rb = rec + b * RB;
     const ActBlock* ab = act + b * M + r0;
     const float* dw = (const float*)(rb + QB);
-    const float* second = (const float*)(rb + QB + 64);  // Q4_1's minimums, Q6_K's scales of inputs 16..31
+    // Q4_1's minimums, Q6_K's scales of inputs 16..31 (no second floats in the other records)
+    const float* second = T == Q4_1 || T == Q6_K ? (const float*)(rb + QB + 64) : dw;
     for (int r = 0; r < R; ++r) {
       const int8_t* xb = reinterpret_cast<const int8_t*>(ab[r].q);
       for (int j = 0; j < G; ++j) {
@@ -417,7 +480,8 @@ torch::Tensor dequantize(torch::Tensor packed, int64_t N) {
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* rec = p + ((n / G) * nb + b) * packed.size(2);
         const int j = n % G;
-        const float a = ((const float*)(rec + QB))[j], second = ((const float*)(rec + QB + 64))[j];
+        const float a = ((const float*)(rec + QB))[j];
+        const float second = rt == Q4_1 || rt == Q6_K ? ((const float*)(rec + QB + 64))[j] : 0.0f;
         float* o = out + n * K + b * QK;
         for (int v = 0; v < QK; ++v) {
           if (wide(rt)) {
@@ -444,10 +508,10 @@ std::vector<torch::Tensor> quantize_rows(torch::Tensor x) {
   auto d = torch::empty({M, nb}, torch::dtype(torch::kFloat32));
   auto s = torch::empty({M, nb}, torch::dtype(torch::kInt32));
   const float* xp = x.data_ptr<float>();
-  for (int64_t r = 0; r < M; ++r)
-    for (int64_t b = 0; b < nb; ++b)
-      s.data_ptr<int32_t>()[r * nb + b] =
-          quantize_block(xp + r * K + b * QK, q.data_ptr<int8_t>() + r * K + b * QK, d.data_ptr<float>() + r * nb + b);
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* dp = d.data_ptr<float>();
+  int32_t* sp = s.data_ptr<int32_t>();
+  for (int64_t i = 0; i < M * nb; ++i) sp[i] = quantize_block(xp + i * QK, qp + i * QK, dp + i);
   return {q, d, s};
 }
 
@@ -475,11 +539,15 @@ torch::Tensor qproduct(torch::Tensor x, torch::Tensor packed, int64_t N, c10::op
         ActBlock& ab = act[b * M + r];
         const int8_t* q = reinterpret_cast<const int8_t*>(ab.q);
         const int32_t sum = quantize_block(xp + r * K + b * QK, reinterpret_cast<int8_t*>(ab.q), &ab.d);
-        int32_t sum0 = 0;
-        for (int i = 0; i < QK / 2; ++i) sum0 += q[i];
         ab.ds = ab.d * (float)sum;
-        ab.corr = offset * (rt == Q6_K ? sum0 : sum);
-        ab.corr1 = rt == Q6_K ? offset * (sum - sum0) : 0;
+        ab.corr = offset * sum;
+        ab.corr1 = 0;
+        if (rt == Q6_K) {  // a scale a 16: the offsets of the two halves apart
+          int32_t sum0 = 0;
+          for (int i = 0; i < QK / 2; ++i) sum0 += q[i];
+          ab.corr = offset * sum0;
+          ab.corr1 = offset * (sum - sum0);
+        }
       }
   });
   const float* rp = has_res ? residual->data_ptr<float>() : nullptr;
