@@ -14,3 +14,5 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # The lean forward's kernels, compiled once for this CPU (about a minute; without a compiler
 # targets keep the Hugging Face forward and this says why).
 .venv/bin/python -c "from dartree import kernels; print('lean forward kernels:', 'ready' if kernels.available() else 'unavailable')"
+# The integer products on the GGUF file's blocks (the default target), compiled once for this CPU.
+.venv/bin/python -c "from dartree import quant; print('quantised products:', 'ready' if quant.available() else 'unavailable')"
