@@ -153,6 +153,32 @@ def test_a_request_that_fails_ends_alone_and_the_others_go_on(lean_pipe):
     assert [r.output for r in good] == [ref, ref]
 
 
+def test_a_batched_proposer_call_that_fails_is_retried_alone_and_only_its_request_ends(lean_pipe):
+    """A request whose drafter works on its first call (alone) and breaks once batched: the batch's call
+    fails, each request is proposed for again alone with the states it had not read, and only the
+    broken one ends."""
+    pipe = lean_pipe
+    settings_ = _settings({"method": "dartree", "budget": 8, "seed": 0, "max_new_tokens": 10, "temperature": 0.0})
+    ref = pipe.generate(input_ids=[3, 1], settings=settings_, stop_token_ids=[]).token_ids
+    engine = pipe.engine(3)
+    good = [pipe.request(torch.tensor([3, 1]), settings_, [], alone=False) for _ in range(2)]
+    bad = pipe.request(torch.tensor([3, 1]), settings_, [], alone=False)
+
+    class BreaksOnceFilled(DrafterCache):
+        @property
+        def length(self):
+            if self.keys[0] is not None:
+                raise RuntimeError("drafter broke")
+            return 0
+
+    bad.proposer.reset = lambda: (setattr(bad.proposer, "cache", BreaksOnceFilled(1)), setattr(bad.proposer, "unread", []))
+    for r in (good[0], bad, good[1]):
+        engine.submit(r)
+    engine.run()
+    assert bad.stats.finish_reason == "error" and "drafter broke" in str(bad.error)
+    assert [r.output for r in good] == [ref, ref] and all(r.error is None for r in good)
+
+
 def test_a_forward_grows_the_store_for_the_widest_part_beside_a_nearly_full_slot(lean_pipe):
     """Rows see ``width`` new rows after their own slot's length: a one-row step in a nearly full slot
     beside a prompt chunk needs room for the chunk's width there too."""

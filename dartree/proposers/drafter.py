@@ -61,9 +61,10 @@ class DraftProposer:
     def propose_batch(cls, proposers: list["DraftProposer"], bonuses: list[int], positions: list[int]) -> list[DraftOutput]:
         """ONE drafter call for every request, each on its own cache with the states it has not read."""
         states = [torch.cat(p.unread) if len(p.unread) > 1 else p.unread[0] for p in proposers]
-        for p in proposers:
+        drafts = draft_batch(proposers, bonuses, states, positions)
+        for p in proposers:  # read only once the call succeeded: a failed batch is retried request by request
             p.unread = []
-        return draft_batch(proposers, bonuses, states, positions)
+        return drafts
 
     @torch.no_grad()
     def draft(self, bonus: int, new_tapped_states: torch.Tensor, start: int) -> DraftOutput:
