@@ -121,6 +121,8 @@ def test_replay_records_equal_decoded_acceptance_lengths(tiny_pipe, tmp_path, mo
         d = decoded[(r["dataset"], r["sample_id"], r["key"])]
         assert r["replay"] and [t["acceptance_lengths"] for t in r["turns"]] == [t["acceptance_lengths"] for t in d["turns"]]
         assert [t["token_ids"] for t in r["turns"]] == [t["token_ids"] for t in d["turns"]]
+        assert r["target"] == d["target"] == tiny_pipe.target.name  # every record names the target it measured
+    assert {r["target"] for r in decoded.values() if r["method"] == "hf-generate"} == {"hf-generate"}
     text = build_report(tmp_path / "replay").read_text()
     assert "exact replay" in text and "speedup" not in text.split("###")[0]  # no wall-clock in replay
     assert "| dartree B=8 W=12 K=64 beta=-0.2 |" in text  # labels never split a markdown cell

@@ -222,7 +222,9 @@ def run(pipes, samples: list[Sample], grid: list[RunConfig], out_path: Path, max
                 turns = run_hf_peer(pipe, sample, cfg, max_new_tokens)
             else:
                 turns = _run_ours(pipe, sample, cfg, max_new_tokens, seed)
+            peer = cfg.method in llama_cpp.LLAMA_PEERS or cfg.method in HF_PEERS
             rec = {"dataset": sample.dataset, "sample_id": sample.sample_id, "key": cfg.key, **asdict(cfg),
+                   "target": cfg.method if peer else pipe.target.name,  # which forward and weights ran it
                    "max_new_tokens": max_new_tokens, "turns": turns,
                    "output_sha1": _sha1([t["token_ids"] for t in turns])}
             ref = ar_tokens.get((sample.dataset, sample.sample_id, cfg.temperature, cfg.dtype))
@@ -295,7 +297,7 @@ def run_replay(pipe, samples: list[Sample], grid: list[RunConfig], out_path: Pat
                 if (sample.dataset, sample.sample_id, c.key) in done:
                     continue
                 rec = {"dataset": sample.dataset, "sample_id": sample.sample_id, "key": c.key, **asdict(c),
-                       "max_new_tokens": max_new_tokens, "replay": True, "turns": turns[c.key],
+                       "target": pipe.target.name, "max_new_tokens": max_new_tokens, "replay": True, "turns": turns[c.key],
                        **({"modeled_step_ms": cost.verify(1),
                            "cost_model": {k: cost.identity.get(k) for k in ("dtype", "threads", "machine")}}
                           if cost is not None else {}),
