@@ -29,11 +29,33 @@ CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fope
 LDFLAGS = ["-fopenmp"]
 
 
-def build_dir(extra_cflags: tuple[str, ...] = ()) -> Path:
+def extension_dir(source: Path, folder: str, extra_cflags: tuple[str, ...] = ()) -> Path:
+    """Where ``source`` is built for this CPU: keyed by the source, torch, the flags and the CPU."""
     model, flags = cpu_info()
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), torch.__version__, " ".join(CFLAGS + list(extra_cflags) + LDFLAGS),
+    key = hashlib.sha256("\n".join([source.read_text(), torch.__version__, " ".join(CFLAGS + list(extra_cflags) + LDFLAGS),
                                     model, " ".join(sorted(flags))]).encode()).hexdigest()[:16]
-    return cache_root() / "kernels" / key
+    return cache_root() / folder / key
+
+
+def build_extension(source: Path, folder: str, module: str, what: str, extra_cflags: tuple[str, ...] = (),
+                    verbose: bool = False):
+    """Compile (once per machine) and load the torch extension ``source`` as ``module``; a variant
+    with ``extra_cflags`` is a module of its own name, so that it loads beside the default one."""
+    from torch.utils.cpp_extension import load as load_extension
+
+    # torch finds ninja on PATH: the one installed beside this Python (pip's ninja) comes first
+    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    out = extension_dir(source, folder, extra_cflags)
+    out.mkdir(parents=True, exist_ok=True)
+    if not any(out.glob("*.so")):
+        print(f"dartree: compiling {what} for this CPU into {out} (once, about a minute)", file=sys.stderr)
+    name = module + (f"_{out.name}" if extra_cflags else "")
+    return load_extension(name=name, sources=[str(source)], extra_cflags=CFLAGS + list(extra_cflags),
+                          extra_ldflags=LDFLAGS, build_directory=str(out), verbose=verbose)
+
+
+def build_dir(extra_cflags: tuple[str, ...] = ()) -> Path:
+    return extension_dir(SOURCE, "kernels", extra_cflags)
 
 
 @functools.lru_cache(maxsize=None)
@@ -41,19 +63,7 @@ def load(verbose: bool = False, extra_cflags: tuple[str, ...] = ()):
     """The compiled module (built first when this machine has none yet). ``extra_cflags`` builds a
     variant beside it (for instance ``("-mno-avx512f",)``: the AVX2 paths on an AVX-512 CPU), which
     the tests use to check that every instruction-set path gives the same bits."""
-    from torch.utils.cpp_extension import load as load_extension
-
-    # torch finds ninja on PATH: the one installed beside this Python (pip's ninja) comes first
-    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    out = build_dir(extra_cflags)
-    out.mkdir(parents=True, exist_ok=True)
-    if not any(out.glob("*.so")):
-        print(f"dartree: compiling the lean forward's kernels for this CPU into {out} (once, about a minute)",
-              file=sys.stderr)
-    # a variant is a module of its own name, so that it loads beside the default one
-    name = "dartree_lean_kernels" + (f"_{out.name}" if extra_cflags else "")
-    return load_extension(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS + list(extra_cflags),
-                          extra_ldflags=LDFLAGS, build_directory=str(out), verbose=verbose)
+    return build_extension(SOURCE, "kernels", "dartree_lean_kernels", "the lean forward's kernels", extra_cflags, verbose)
 
 
 @functools.lru_cache(maxsize=1)

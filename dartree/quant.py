@@ -24,17 +24,13 @@ that order.
 from __future__ import annotations
 
 import functools
-import hashlib
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .default_model import cache_root
-from .hardware import cpu_info
-from .kernels import CFLAGS, LDFLAGS
+from .kernels import build_extension, extension_dir
 
 SOURCE = Path(__file__).parent / "csrc" / "quant_kernels.cpp"
 BLOCK = 32
@@ -46,10 +42,7 @@ VARIANTS = {"avx2": ("-mno-avx512f", "-mno-avx512vnni"), "scalar": ("-DDARTREE_S
 
 
 def build_dir(extra_cflags: tuple[str, ...] = ()) -> Path:
-    model, flags = cpu_info()
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), torch.__version__, " ".join(CFLAGS + list(extra_cflags) + LDFLAGS),
-                                    model, " ".join(sorted(flags))]).encode()).hexdigest()[:16]
-    return cache_root() / "quant_kernels" / key
+    return extension_dir(SOURCE, "quant_kernels", extra_cflags)
 
 
 @functools.lru_cache(maxsize=None)
@@ -57,16 +50,8 @@ def load(verbose: bool = False, extra_cflags: tuple[str, ...] = ()):
     """The compiled module (built first when this machine has none yet): ``pack``, ``qproduct``,
     ``dequantize``, ``quantize_rows``, ``path``. ``extra_cflags`` builds a variant beside it (``VARIANTS``:
     the AVX2 path on an AVX-512 CPU, the scalar code), for checking that every path gives the same bits."""
-    from torch.utils.cpp_extension import load as load_extension
-
-    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    out = build_dir(extra_cflags)
-    out.mkdir(parents=True, exist_ok=True)
-    if not any(out.glob("*.so")):
-        print(f"dartree: compiling the quantised products for this CPU into {out} (once, about a minute)", file=sys.stderr)
-    name = "dartree_quant_kernels" + (f"_{out.name}" if extra_cflags else "")
-    return load_extension(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS + list(extra_cflags),
-                          extra_ldflags=LDFLAGS, build_directory=str(out), verbose=verbose)
+    return build_extension(SOURCE, "quant_kernels", "dartree_quant_kernels", "the quantised products", extra_cflags,
+                           verbose)
 
 
 @functools.lru_cache(maxsize=1)
