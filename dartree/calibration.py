@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from . import kernels
+from . import kernels, quant
 from .costmodel import CostModel
 from .default_model import cache_root
 from .engine import Request, run_round
@@ -54,6 +54,7 @@ def identity(target, proposer=None) -> dict:
         "dtype": str(target.dtype).removeprefix("torch."),
         "forward": target.name,  # which forward (targets/)
         "kernels": kernels.build_dir().name,  # the lean kernels' source and build: changed kernels, new times
+        "quant_kernels": quant.build_dir().name,  # the same for the integer products
         "threads": torch.get_num_threads(),
         "machine": describe_machine(),
         "version": COST_MODEL_VERSION,
