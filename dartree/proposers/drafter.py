@@ -8,6 +8,8 @@ from torch import nn
 
 from ..drafter import DrafterCache, DrafterModel, DraftOutput
 from ..errors import require
+from ..lean_drafter import lean_draft_forward, lean_drafter_reason, lean_logits, lean_weights_of
+from ..targets.lean import KVStore
 from .base import register
 
 
@@ -25,6 +27,10 @@ class DraftProposer:
         self.head = model.head
         self.embed_tokens = embed_tokens
         self.lm_head = model.lm_head if model.lm_head is not None else lm_head
+        # on a CPU in float32 the drafter runs on the lean kernels (``lean_drafter``), its context
+        # K/V in a store of its own; elsewhere ``DrafterModel.forward`` on a ``DrafterCache``
+        self.lean = lean_weights_of(model, self.lm_head) if lean_drafter_reason(model) is None else None
+        self.store = KVStore(self.lean, slots=1, capacity=256) if self.lean is not None else None
         self.cache = DrafterCache(model.config.num_hidden_layers)
         self.unread: list[torch.Tensor] = []  # tapped states the drafter has not read yet
         cfg = model.config
@@ -48,8 +54,15 @@ class DraftProposer:
     def batch_key(self) -> object:
         return self.model
 
+    @property
+    def context_length(self) -> int:
+        """Positions of the target's context the drafter has read (its context K/V)."""
+        return self.store.lengths[0] if self.store is not None else self.cache.length
+
     def reset(self) -> None:
         self.cache = DrafterCache(self.model.config.num_hidden_layers)
+        if self.store is not None:
+            self.store.lengths[0] = 0
         self.unread = []
 
     def observe(self, tokens: torch.Tensor, tapped_states: torch.Tensor | None) -> None:
@@ -85,9 +98,17 @@ def draft_batch(proposers: list[DraftProposer], bonuses: list[int], tapped_state
     require(all(p.model is model and p.embed_tokens is first.embed_tokens for p in proposers),
             "a batched draft call needs proposers of one drafter")
     device, b, q = tapped_states[0].device, len(proposers), cfg.block_size
-    cached = [p.cache.length for p in proposers]
+    cached = [p.context_length for p in proposers]
     new = [f.shape[0] for f in tapped_states]
     require(all(c + n == s for c, n, s in zip(cached, new, starts)), "drafter context out of step with the target")
+    if first.lean is not None:
+        embeds = model.block_embeddings(first.embed_tokens, torch.tensor(bonuses, device=device))
+        hidden = lean_draft_forward(first.lean, [p.store for p in proposers], embeds, tapped_states, starts)
+        if not cfg.shift_label:
+            hidden = hidden[:, 1:]  # block position 0 only restates the bonus token
+        logits = lean_logits(first.lean, hidden)
+        return [DraftOutput(bonus=bonus, hidden=hidden[i], base_logits=logits[i], d2t=model.d2t)
+                for i, bonus in enumerate(bonuses)]
     block_pos = torch.stack([s + torch.arange(q, device=device) for s in starts])
     if b == 1:  # alone: straight on its own cache, nothing to pad or hide
         tapped, cache, mask = tapped_states[0][None], first.cache, None

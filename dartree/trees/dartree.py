@@ -9,6 +9,7 @@ import torch
 
 from ..heads import CorrectionHead
 from .base import TreeBuilder, register
+from . import grow_kernel
 from .common import candidate_tables, select_top_b
 from .tree import DraftTree, subtree
 
@@ -147,13 +148,15 @@ class DARTreeBuilder(TreeBuilder):
 
     def build(self, draft, head, budget):
         s = self.settings
-        st = grow_supertree(draft, head, s.tree_top_k, lambda depth, placed: s.width, budget=budget, beta=s.beta)
+        st = grow_kernel.grow_supertree(draft, head, s.tree_top_k, s.width, budget, s.beta)  # compiled, where it runs
+        if st is None:
+            st = grow_supertree(draft, head, s.tree_top_k, lambda depth, placed: s.width, budget=budget, beta=s.beta)
         return _ranked_top_b(st, budget, s.beta)
 
     @staticmethod
     def build_many(builders, drafts, head, budgets):
-        if len(builders) == 1:
-            return [builders[0].build(drafts[0], head, budgets[0])]
+        if len(builders) == 1 or grow_kernel.head_tables(head) is not None:  # the compiled grower: one call a tree
+            return [b.build(d, head, n) for b, d, n in zip(builders, drafts, budgets)]
         s = builders[0].settings  # one group shares its settings (trees.build_trees)
         grown = grow_supertrees(drafts, head, s.tree_top_k, s.width, budgets, beta=s.beta)
         return [_ranked_top_b(st, n, s.beta) for st, n in zip(grown, budgets)]

@@ -1,0 +1,113 @@
+"""DARTree's supertree grown in one compiled call (``csrc/tree_kernels.cpp``) where it can be.
+
+``grow_supertree`` in ``trees/dartree.py`` runs a depth as some twenty framework calls (the head's
+products, a log-softmax, a top-n, the GRU step): ~4 ms a tree on a CPU, most of it per-call
+overhead. The compiled grower does the same computation in one call over tables prepared once per
+head (``HeadTables``): the Domino GRU's input projection of every draft token (one product at bind
+time instead of one a depth), the Markov head's W1 rows by draft id, the output rows. The tree is
+the Python builder's on the same logits (tests/test_tree_kernels.py: node for node in float64, over
+random heads, logits, widths, budgets and betas); the Python builder stays the reference and the
+path for heads, dtypes and devices the kernel does not take.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .. import kernels
+from ..heads import DominoHead, MarkovHead
+from .common import candidate_tables
+
+SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "tree_kernels.cpp"
+NO_HEAD, DOMINO, MARKOV = 0, 1, 2
+MAX_TABLE_BYTES = 64 << 20  # a head's token table above this (a full 150k vocabulary) keeps the Python grower
+
+
+@functools.lru_cache(maxsize=1)
+def load():
+    return kernels.build_extension(SOURCE, "tree_kernels", "dartree_tree_kernels", "the tree builders' kernels")
+
+
+@functools.lru_cache(maxsize=1)
+def available() -> bool:
+    try:
+        load()
+    except Exception as exc:  # no compiler: the Python grower stays
+        print(f"dartree: the compiled tree grower is unavailable here ({type(exc).__name__}); "
+              "trees grow in Python", file=sys.stderr)
+        return False
+    return True
+
+
+@dataclass
+class HeadTables:
+    kind: int
+    table: torch.Tensor      # [V_d, X] what a token's step needs, by draft id
+    out_rows: torch.Tensor   # [V_d, R] the head's output rows
+    w_state: torch.Tensor    # Domino: W_s [R, S]
+    w_hh: torch.Tensor       # Domino: the GRU's hidden weights [3S, S]
+    uncorrected: int
+
+
+def _version(head) -> tuple:
+    return tuple((id(p), p._version) for p in head.parameters()) + (id(head._embed), id(head._d2t))
+
+
+@torch.no_grad()
+def head_tables(head) -> HeadTables | None:
+    """The compiled grower's tables for ``head`` (made once, again when its weights change), or None
+    where the kernel does not take it."""
+    if not isinstance(head, (DominoHead, MarkovHead)) or head._embed is None:
+        return None
+    param = next(head.parameters())
+    if param.device.type != "cpu" or param.dtype not in (torch.float32, torch.float64) or not available():
+        return None
+    key = _version(head)
+    cached = head.__dict__.get("_grow_tables")
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    empty = param.new_zeros(0)
+    if isinstance(head, DominoHead):
+        w2 = head.embed_proj[2].weight
+        ids = head.target_ids(torch.arange(w2.shape[0]))
+        w_ih = head.prefix_gru.weight_ih_l0
+        if w2.shape[0] * w_ih.shape[0] * param.element_size() > MAX_TABLE_BYTES:
+            return None
+        table = head._embed(ids).to(param.dtype) @ w_ih.T
+        tables = HeadTables(DOMINO, table.contiguous(), w2.detach().contiguous(),
+                            head.embed_proj[0].weight[:, head.hidden_size:].detach().contiguous(),
+                            head.prefix_gru.weight_hh_l0.detach().contiguous(), head.uncorrected_depths)
+    else:
+        w2 = head.markov_w2.weight
+        ids = head.target_ids(torch.arange(w2.shape[0]))
+        tables = HeadTables(MARKOV, head.markov_w1.weight[ids].detach().contiguous(), w2.detach().contiguous(),
+                            empty, empty, head.uncorrected_depths)
+    head.__dict__["_grow_tables"] = (key, tables)
+    return tables
+
+
+@torch.no_grad()
+def grow_supertree(draft, head, tree_top_k: int, width: int, budget: int | None, beta: float):
+    """``trees.dartree.grow_supertree`` with a quota of ``width`` a depth, in one compiled call; None
+    where the kernel does not take this head or these logits (the caller grows in Python)."""
+    from .dartree import Supertree
+
+    tables = head_tables(head)
+    base = draft.base_logits
+    if tables is None or base.dtype != tables.table.dtype or base.device.type != "cpu":
+        return None
+    cands = candidate_tables(draft, tree_top_k).contiguous()
+    cand_base = base.gather(1, cands).contiguous()
+    out_rows = tables.out_rows[cands].contiguous()  # [D, K, R]
+    rnd = head.start_round(draft.hidden, base)
+    hidden_proj = rnd.hidden_proj.contiguous() if tables.kind == DOMINO else base.new_zeros(0)
+    root = head.initial_state(draft.bonus)[0].contiguous()
+    tokens, parents, depths, scores = load().grow_supertree(
+        cands, cand_base, tables.kind, out_rows, tables.table, hidden_proj, tables.w_state, tables.w_hh, root,
+        tables.uncorrected, width, 0 if budget is None else budget, float(beta))
+    return Supertree(tokens, parents, depths, scores)

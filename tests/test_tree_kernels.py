@@ -1,0 +1,88 @@
+"""The compiled DARTree grower builds the Python grower's trees, node for node (float64), and the
+builder uses it where it runs."""
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from torch import nn
+
+from dartree.drafter import DraftOutput
+from dartree.heads import DominoHead, MarkovHead
+from dartree.trees import TreeSettings, make_builder
+from dartree.trees import grow_kernel
+from dartree.trees.dartree import _ranked_top_b, grow_supertree
+
+pytestmark = pytest.mark.skipif(not grow_kernel.available(), reason="no compiler for the tree kernels")
+
+HIDDEN, TARGET_VOCAB = 24, 97
+
+
+def make_head(kind: str, seed: int, draft_vocab: int | None, pure_prefix: int):
+    gen = torch.Generator().manual_seed(seed)
+    out_vocab = draft_vocab or TARGET_VOCAB
+    head = DominoHead(HIDDEN, 20, 12, out_vocab, pure_prefix) if kind == "domino" else MarkovHead(TARGET_VOCAB, 10, out_vocab)
+    head = head.double()
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.5)
+    embed = nn.Embedding(TARGET_VOCAB, HIDDEN).double()
+    with torch.no_grad():
+        embed.weight.copy_(torch.randn(embed.weight.shape, generator=gen, dtype=torch.float64))
+    d2t = None
+    if draft_vocab:  # draft id i is target id picks[i]: offsets picks[i] - i
+        picks = torch.randperm(TARGET_VOCAB, generator=gen)[:draft_vocab].sort().values
+        d2t = picks - torch.arange(draft_vocab)
+    head.bind(embed, d2t)
+    return head, d2t
+
+
+def make_draft(seed: int, depths: int, vocab: int, d2t):
+    gen = torch.Generator().manual_seed(seed + 1)
+    return DraftOutput(bonus=int(torch.randint(TARGET_VOCAB, (1,), generator=gen)),
+                       hidden=torch.randn(depths, HIDDEN, generator=gen, dtype=torch.float64),
+                       base_logits=torch.randn(depths, vocab, generator=gen, dtype=torch.float64) * 3, d2t=d2t)
+
+
+@settings(max_examples=60, deadline=None)
+@given(kind=st.sampled_from(["domino", "markov"]), seed=st.integers(0, 10_000), depths=st.integers(1, 8),
+       reduced=st.booleans(), pure_prefix=st.integers(0, 2), tree_top_k=st.integers(1, 40), width=st.integers(1, 12),
+       budget=st.one_of(st.none(), st.integers(1, 60)), beta=st.sampled_from([0.0, -0.1, -0.7]))
+def test_compiled_grower_builds_the_python_growers_tree(kind, seed, depths, reduced, pure_prefix, tree_top_k, width, budget, beta):
+    head, d2t = make_head(kind, seed, 61 if reduced else None, pure_prefix)
+    draft = make_draft(seed, depths, 61 if reduced else TARGET_VOCAB, d2t)
+    want = grow_supertree(draft, head, tree_top_k, lambda depth, placed: width, budget=budget, beta=beta)
+    got = grow_kernel.grow_supertree(draft, head, tree_top_k, width, budget, beta)
+    assert got is not None
+    for name in ("tokens", "parents", "depths"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    torch.testing.assert_close(got.scores, want.scores, rtol=1e-12, atol=1e-12)
+    if budget is not None:
+        a, b = _ranked_top_b(got, budget, beta), _ranked_top_b(want, budget, beta)
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents) and torch.equal(a.rank, b.rank)
+
+
+def test_builder_takes_the_compiled_grower_and_follows_weight_changes():
+    head, d2t = make_head("domino", 3, 61, 1)
+    draft = make_draft(3, 6, 61, d2t)
+    builder = make_builder("dartree", TreeSettings(budget=16))
+    first = builder.build_tree(draft, head)
+    assert head.__dict__.get("_grow_tables") is not None  # the compiled path ran
+    with torch.no_grad():  # a head trained further: its tables are made again
+        head.prefix_gru.weight_hh_l0.mul_(-1.0)
+    again = builder.build_tree(draft, head)
+    want = grow_supertree(draft, head, builder.settings.tree_top_k, lambda d, p: builder.settings.width, budget=16,
+                          beta=builder.settings.beta)
+    ranked = _ranked_top_b(want, 16, builder.settings.beta)
+    # build_tree hands out target ids
+    assert torch.equal(again.tokens, draft.to_target(ranked.tokens)) and torch.equal(again.parents, ranked.parents)
+    assert len(first) == len(again) == 16
+
+
+def test_heads_the_kernel_does_not_take_keep_the_python_grower():
+    head, d2t = make_head("markov", 5, None, 0)
+    draft = make_draft(5, 4, TARGET_VOCAB, d2t)
+    head32 = make_head("markov", 5, None, 0)[0].float()
+    head32.bind(nn.Embedding(TARGET_VOCAB, HIDDEN), None)
+    assert grow_kernel.grow_supertree(draft, head32, 8, 4, 8, 0.0) is None  # float64 logits, float32 head
+    unbound = MarkovHead(TARGET_VOCAB, 10, TARGET_VOCAB).double()
+    assert grow_kernel.head_tables(unbound) is None  # no embedding bound
