@@ -143,9 +143,12 @@ class DominoHead(CorrectionHead):
         return (1 - z) * n + z * states
 
     def initial_state(self, bonus: int) -> torch.Tensor:
-        w = self.prefix_gru.weight_hh_l0
-        zeros = torch.zeros(1, w.shape[1], dtype=w.dtype, device=w.device)
-        return self._gru_step(zeros, torch.tensor([bonus], device=w.device))
+        # the GRU's step from the zero state: its hidden projection is zero, so the step is
+        # (1 - z) * n with z = sigmoid(i_z), n = tanh(i_n) (the same values, a third of the work)
+        w = self.prefix_gru.weight_ih_l0
+        gi = self._embed(torch.tensor([bonus], device=w.device)) @ w.T
+        _, i_z, i_n = gi.chunk(3, dim=-1)
+        return (1 - torch.sigmoid(i_z)) * torch.tanh(i_n)
 
     def advance(self, states, tokens, rows=None):
         return self._gru_step(states, self.target_ids(tokens), rows)

@@ -20,6 +20,7 @@ from .loading import check_pair, cpu_products, load_drafter, load_target, load_t
 from .prompts import chat_token_ids
 from .settings import GenerationSettings
 from .proposers import Proposer, make_proposer
+from .trees.grow_kernel import head_tables
 from .targets import WEIGHTS, check_context_length, make_target, unsupported_reason
 from .trees import available_methods
 
@@ -69,6 +70,7 @@ class Pipeline:
             self.head = drafter.head
             if self.head is not None:
                 self.head.bind(self.target.embed_tokens, drafter.d2t)
+                head_tables(self.head)  # the compiled tree grower's tables, made at load, not in the first round
             self.proposer = make_proposer("drafter", self)
         if cost_model == "auto":
             if drafter is not None:

@@ -6,10 +6,11 @@
 //
 // Shapes (D depths, K candidates a depth, S the head's state size, R its rank):
 //   cand_tokens [D, K] int64 draft ids, cand_base [D, K] their base logits;
-//   out_rows [D, K, R]: the head's output rows of the candidates;
+//   out_rows_t [D, R, K]: the head's output rows of the candidates, transposed;
 //   table [V, X]: what the head's step needs of a token, by draft id (Domino: the GRU's input projection
 //     of the token's embedding, X = 3S; Markov: the new state itself, W1 of the token, X = S = R);
-//   Domino only: hidden_proj [D, R] (W_z z_d), w_state [R, S] (W_s), w_hh [3S, S] (the GRU's hidden weights);
+//   Domino only: hidden_proj [D, R] (W_z z_d), w_state_t [S, R] (W_s transposed), w_hh_t [S, 3S] (the GRU's
+//     hidden weights transposed);
 //   root [S]: the root's state.
 // Returns tokens, parents (tree rows: 0 is the root, node i is row i + 1), depths (1-based) and scores
 // (cumulative log-probabilities), in placement order.
@@ -22,80 +23,112 @@
 
 namespace {
 
-constexpr int LANES = 16;
+enum Head : int64_t { NONE = 0, DOMINO = 1, MARKOV = 2 };
 
-// a dot product over 16 independent lanes (vectorised by the compiler without reassociation), then the
-// lanes added pairwise: one fixed order
+// y[f, :] (+)= x[f, :] @ WT for F rows: WT [I, J] row-major (a weight stored transposed), the sum over i in
+// order, vectorised over j; each row of WT is read once for all F rows (it stays in L1 across them)
 template <typename T>
-inline T dot(const T* a, const T* b, int64_t n) {
-  T lanes[LANES] = {};
-  int64_t i = 0;
-  for (; i + LANES <= n; i += LANES)
-    for (int j = 0; j < LANES; ++j) lanes[j] += a[i + j] * b[i + j];
-  for (int j = 0; i + j < n; ++j) lanes[j] += a[i + j] * b[i + j];
-  for (int w = LANES / 2; w > 0; w /= 2)
-    for (int j = 0; j < w; ++j) lanes[j] += lanes[j + w];
-  return lanes[0];
+inline void rows_times(const T* x, int64_t F, int64_t I, const T* wt, int64_t J, T* y, bool accumulate) {
+  if (!accumulate) std::fill(y, y + F * J, T(0));
+  for (int64_t i = 0; i < I; ++i) {
+    const T* w = wt + i * J;
+    for (int64_t f = 0; f < F; ++f) {
+      const T a = x[f * I + i];
+      T* out = y + f * J;
+      for (int64_t j = 0; j < J; ++j) out[j] += a * w[j];
+    }
+  }
 }
 
+// ATen's vectorised sigmoid / tanh / silu, in place on n values
 template <typename T>
-inline T sigmoid(T x) { return T(1) / (T(1) + std::exp(-x)); }
-
-enum Head : int64_t { NONE = 0, DOMINO = 1, MARKOV = 2 };
+inline at::Tensor view(T* p, int64_t n) {
+  return at::from_blob(p, {n}, at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value));
+}
 
 template <typename T>
 struct Grower {
   int64_t D, K, S, R, head, uncorrected;
   const int64_t* cand_tokens;
-  const T *cand_base, *out_rows, *table, *hidden_proj, *w_state, *w_hh;
+  const T *cand_base, *out_rows_t, *table, *hidden_proj, *w_state_t, *w_hh_t;
   int64_t X;  // the table's row size
 
-  // corrected logits of the K candidates at depth d for a branch in state h, log-softmaxed (clamped to 0)
-  void logprobs(int64_t d, const T* h, T* out, std::vector<T>& act) const {
+  // corrected logits of the K candidates at depth d for F branches in states h [F, S], log-softmaxed
+  // (clamped to 0), into out [F, K]
+  void logprobs(int64_t d, const T* h, int64_t F, T* out, std::vector<T>& act) const {
     const T* base = cand_base + d * K;
-    if (head == NONE || d < uncorrected) {
-      for (int64_t k = 0; k < K; ++k) out[k] = base[k];
-    } else {
+    for (int64_t f = 0; f < F; ++f) std::copy(base, base + K, out + f * K);
+    if (head != NONE && d >= uncorrected) {
       const T* v = h;
       if (head == DOMINO) {  // act = silu(W_z z_d + W_s h)
-        for (int64_t r = 0; r < R; ++r) {
-          const T a = hidden_proj[d * R + r] + dot(w_state + r * S, h, S);
-          act[r] = a * sigmoid(a);
-        }
+        act.resize(F * R);
+        rows_times(h, F, S, w_state_t, R, act.data(), false);
+        for (int64_t f = 0; f < F; ++f)
+          for (int64_t r = 0; r < R; ++r) act[f * R + r] += hidden_proj[d * R + r];
+        auto a = view(act.data(), F * R);
+        at::silu_(a);
         v = act.data();
       }
-      const T* rows = out_rows + d * K * R;
-      for (int64_t k = 0; k < K; ++k) out[k] = base[k] + dot(rows + k * R, v, R);
+      rows_times(v, F, R, out_rows_t + d * R * K, K, out, true);  // + out_rows . v
     }
-    T top = out[0];
-    for (int64_t k = 1; k < K; ++k) top = std::max(top, out[k]);
-    T total = 0;
-    for (int64_t k = 0; k < K; ++k) total += std::exp(out[k] - top);
-    const T shift = top + std::log(total);
-    for (int64_t k = 0; k < K; ++k) out[k] = std::min(out[k] - shift, T(0));
+    for (int64_t f = 0; f < F; ++f) {
+      T* o = out + f * K;
+      T top = o[0];
+      for (int64_t k = 1; k < K; ++k) top = std::max(top, o[k]);
+      T total = 0;
+      for (int64_t k = 0; k < K; ++k) total += std::exp(o[k] - top);
+      const T shift = top + std::log(total);
+      for (int64_t k = 0; k < K; ++k) o[k] = std::min(o[k] - shift, T(0));
+    }
   }
 
-  // the state of a parent's path extended by the draft token ``token``
-  void advance(const T* parent, int64_t token, T* child, std::vector<T>& gh) const {
-    const T* row = table + token * X;
+  // the states of n children: child c extends parent state parents[c] (rows of ``states``) by draft token tokens[c]
+  void advance(const T* states, const std::vector<int64_t>& parents, const std::vector<int64_t>& tokens, T* children,
+               std::vector<T>& scratch) const {
+    const int64_t n = (int64_t)parents.size();
     if (head == MARKOV) {
-      std::copy(row, row + S, child);
+      for (int64_t c = 0; c < n; ++c) std::copy(table + tokens[c] * X, table + tokens[c] * X + S, children + c * S);
       return;
     }
-    for (int64_t j = 0; j < 3 * S; ++j) gh[j] = dot(w_hh + j * S, parent, S);
-    for (int64_t j = 0; j < S; ++j) {  // PyTorch's GRU gate order: r, z, n
-      const T r = sigmoid(row[j] + gh[j]);
-      const T z = sigmoid(row[S + j] + gh[S + j]);
-      const T n = std::tanh(row[2 * S + j] + r * gh[2 * S + j]);
-      child[j] = (T(1) - z) * n + z * parent[j];
+    // gh = W_hh h of each child's parent (gathered first), then PyTorch's GRU gates (r, z, n)
+    scratch.resize(n * S + n * 3 * S);
+    T* h = scratch.data();
+    T* gh = h + n * S;
+    for (int64_t c = 0; c < n; ++c) std::copy(states + parents[c] * S, states + (parents[c] + 1) * S, h + c * S);
+    {
+      auto out = view(gh, n * 3 * S).view({n, 3 * S});
+      at::mm_out(out, view(h, n * S).view({n, S}), view(const_cast<T*>(w_hh_t), S * 3 * S).view({S, 3 * S}));
+    }
+    for (int64_t c = 0; c < n; ++c) {  // r and z pre-activations in place, n's input part into ``children``
+      const T* gi = table + tokens[c] * X;
+      T* g = gh + c * 3 * S;
+      for (int64_t j = 0; j < 2 * S; ++j) g[j] += gi[j];
+    }
+    for (int64_t c = 0; c < n; ++c) {
+      auto rz = view(gh + c * 3 * S, 2 * S);
+      at::sigmoid_(rz);
+    }
+    for (int64_t c = 0; c < n; ++c) {
+      const T* gi = table + tokens[c] * X;
+      T* g = gh + c * 3 * S;
+      T* out = children + c * S;
+      for (int64_t j = 0; j < S; ++j) out[j] = gi[2 * S + j] + g[j] * g[2 * S + j];
+    }
+    auto cand = view(children, n * S);
+    at::tanh_(cand);
+    for (int64_t c = 0; c < n; ++c) {
+      const T* g = gh + c * 3 * S;
+      const T* parent = h + c * S;
+      T* out = children + c * S;
+      for (int64_t j = 0; j < S; ++j) out[j] = (T(1) - g[S + j]) * out[j] + g[S + j] * parent[j];
     }
   }
 };
 
 template <typename T>
 std::vector<torch::Tensor> grow_impl(const Grower<T>& g, const T* root, int64_t width, int64_t budget, double beta) {
-  const int64_t D = g.D, K = g.K, S = std::max<int64_t>(g.S, 1);
-  std::vector<T> states(root, root + g.S), next_states, scores{T(0)}, logp, total, act(std::max<int64_t>(g.R, 1)), gh(3 * S);
+  const int64_t D = g.D, K = g.K;
+  std::vector<T> states(root, root + g.S), next_states, scores{T(0)}, logp, total, act, gh;
   std::vector<int64_t> rows{0};  // tree rows of the frontier
   std::vector<int64_t> tokens, parents, depths;
   std::vector<T> out_scores, prune;
@@ -106,7 +139,7 @@ std::vector<torch::Tensor> grow_impl(const Grower<T>& g, const T* root, int64_t 
     const int64_t n = std::min(width, F * K);
     if (n <= 0) break;
     logp.resize(F * K);
-    for (int64_t f = 0; f < F; ++f) g.logprobs(d, states.data() + f * g.S, logp.data() + f * K, act);
+    g.logprobs(d, states.data(), F, logp.data(), act);
     total.resize(F * K);
     for (int64_t i = 0; i < F * K; ++i) total[i] = scores[i / K] + logp[i];
     order.resize(F * K);
@@ -137,8 +170,9 @@ std::vector<torch::Tensor> grow_impl(const Grower<T>& g, const T* root, int64_t 
       if (best + T(beta) * T(d + 2) <= threshold) break;
     }
     if (d + 1 < D && g.head != NONE) {
-      for (int64_t i = 0; i < n; ++i)
-        g.advance(states.data() + (order[i] / K) * g.S, g.cand_tokens[d * K + order[i] % K], next_states.data() + i * g.S, gh);
+      std::vector<int64_t> from(n), toks(n);
+      for (int64_t i = 0; i < n; ++i) from[i] = order[i] / K, toks[i] = g.cand_tokens[d * K + order[i] % K];
+      g.advance(states.data(), from, toks, next_states.data(), gh);
       states.swap(next_states);
     }
     scores.swap(new_scores);
@@ -155,34 +189,34 @@ std::vector<torch::Tensor> grow_impl(const Grower<T>& g, const T* root, int64_t 
 }
 
 std::vector<torch::Tensor> grow_supertree(torch::Tensor cand_tokens, torch::Tensor cand_base, int64_t head,
-                                          torch::Tensor out_rows, torch::Tensor table, torch::Tensor hidden_proj,
-                                          torch::Tensor w_state, torch::Tensor w_hh, torch::Tensor root,
+                                          torch::Tensor out_rows_t, torch::Tensor table, torch::Tensor hidden_proj,
+                                          torch::Tensor w_state_t, torch::Tensor w_hh_t, torch::Tensor root,
                                           int64_t uncorrected, int64_t width, int64_t budget, double beta) {
   TORCH_CHECK(cand_tokens.dim() == 2 && cand_tokens.scalar_type() == torch::kInt64 && cand_tokens.is_contiguous(),
               "grow_supertree: cand_tokens [D, K] int64");
   TORCH_CHECK(head == NONE || head == DOMINO || head == MARKOV, "grow_supertree: head 0, 1 or 2");
   TORCH_CHECK(width >= 1, "grow_supertree: width >= 1");
   const int64_t D = cand_tokens.size(0), K = cand_tokens.size(1);
-  for (auto* t : {&cand_base, &out_rows, &table, &hidden_proj, &w_state, &w_hh, &root})
+  for (auto* t : {&cand_base, &out_rows_t, &table, &hidden_proj, &w_state_t, &w_hh_t, &root})
     TORCH_CHECK(t->is_contiguous() && t->scalar_type() == cand_base.scalar_type(), "grow_supertree: contiguous tensors of one dtype");
   TORCH_CHECK(cand_base.size(0) == D && cand_base.size(1) == K, "grow_supertree: cand_base [D, K]");
-  const int64_t S = root.numel(), R = head == NONE ? 0 : out_rows.size(2), X = head == NONE ? 0 : table.size(1);
+  const int64_t S = root.numel(), R = head == NONE ? 0 : out_rows_t.size(1), X = head == NONE ? 0 : table.size(1);
   if (head != NONE) {
-    TORCH_CHECK(out_rows.size(0) == D && out_rows.size(1) == K, "grow_supertree: out_rows [D, K, R]");
+    TORCH_CHECK(out_rows_t.size(0) == D && out_rows_t.size(2) == K, "grow_supertree: out_rows_t [D, R, K]");
     TORCH_CHECK(X == (head == DOMINO ? 3 * S : S), "grow_supertree: table rows of 3S (Domino) or S (Markov)");
     const int64_t V = table.size(0);
     const int64_t* ct = cand_tokens.data_ptr<int64_t>();
     for (int64_t i = 0; i < D * K; ++i) TORCH_CHECK(ct[i] >= 0 && ct[i] < V, "grow_supertree: candidate outside the table");
   }
   if (head == DOMINO)
-    TORCH_CHECK(hidden_proj.size(0) == D && hidden_proj.size(1) == R && w_state.size(0) == R && w_state.size(1) == S &&
-                w_hh.size(0) == 3 * S && w_hh.size(1) == S, "grow_supertree: Domino weights' shapes");
+    TORCH_CHECK(hidden_proj.size(0) == D && hidden_proj.size(1) == R && w_state_t.size(0) == S && w_state_t.size(1) == R &&
+                w_hh_t.size(0) == S && w_hh_t.size(1) == 3 * S, "grow_supertree: Domino weights' shapes");
   if (head == MARKOV) TORCH_CHECK(R == S, "grow_supertree: a Markov state is its rank");
   std::vector<torch::Tensor> out;
   AT_DISPATCH_FLOATING_TYPES(cand_base.scalar_type(), "grow_supertree", [&] {
     Grower<scalar_t> g{D, K, S, R, head, uncorrected, cand_tokens.data_ptr<int64_t>(), cand_base.data_ptr<scalar_t>(),
-                       out_rows.data_ptr<scalar_t>(), table.data_ptr<scalar_t>(), hidden_proj.data_ptr<scalar_t>(),
-                       w_state.data_ptr<scalar_t>(), w_hh.data_ptr<scalar_t>(), X};
+                       out_rows_t.data_ptr<scalar_t>(), table.data_ptr<scalar_t>(), hidden_proj.data_ptr<scalar_t>(),
+                       w_state_t.data_ptr<scalar_t>(), w_hh_t.data_ptr<scalar_t>(), X};
     out = grow_impl<scalar_t>(g, root.data_ptr<scalar_t>(), width, budget, beta);
   });
   return out;

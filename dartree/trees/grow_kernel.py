@@ -49,8 +49,8 @@ class HeadTables:
     kind: int
     table: torch.Tensor      # [V_d, X] what a token's step needs, by draft id
     out_rows: torch.Tensor   # [V_d, R] the head's output rows
-    w_state: torch.Tensor    # Domino: W_s [R, S]
-    w_hh: torch.Tensor       # Domino: the GRU's hidden weights [3S, S]
+    w_state_t: torch.Tensor  # Domino: W_s transposed [S, R]
+    w_hh_t: torch.Tensor     # Domino: the GRU's hidden weights transposed [S, 3S]
     uncorrected: int
 
 
@@ -80,8 +80,8 @@ def head_tables(head) -> HeadTables | None:
             return None
         table = head._embed(ids).to(param.dtype) @ w_ih.T
         tables = HeadTables(DOMINO, table.contiguous(), w2.detach().contiguous(),
-                            head.embed_proj[0].weight[:, head.hidden_size:].detach().contiguous(),
-                            head.prefix_gru.weight_hh_l0.detach().contiguous(), head.uncorrected_depths)
+                            head.embed_proj[0].weight[:, head.hidden_size:].detach().T.contiguous(),
+                            head.prefix_gru.weight_hh_l0.detach().T.contiguous(), head.uncorrected_depths)
     else:
         w2 = head.markov_w2.weight
         ids = head.target_ids(torch.arange(w2.shape[0]))
@@ -103,11 +103,11 @@ def grow_supertree(draft, head, tree_top_k: int, width: int, budget: int | None,
         return None
     cands = candidate_tables(draft, tree_top_k).contiguous()
     cand_base = base.gather(1, cands).contiguous()
-    out_rows = tables.out_rows[cands].contiguous()  # [D, K, R]
+    out_rows_t = tables.out_rows[cands].transpose(1, 2).contiguous()  # [D, R, K]
     rnd = head.start_round(draft.hidden, base)
     hidden_proj = rnd.hidden_proj.contiguous() if tables.kind == DOMINO else base.new_zeros(0)
     root = head.initial_state(draft.bonus)[0].contiguous()
     tokens, parents, depths, scores = load().grow_supertree(
-        cands, cand_base, tables.kind, out_rows, tables.table, hidden_proj, tables.w_state, tables.w_hh, root,
+        cands, cand_base, tables.kind, out_rows_t, tables.table, hidden_proj, tables.w_state_t, tables.w_hh_t, root,
         tables.uncorrected, width, 0 if budget is None else budget, float(beta))
     return Supertree(tokens, parents, depths, scores)
