@@ -33,7 +33,7 @@ from .hardware import describe_machine
 from .heads import CorrectionHead
 from .proposers import DraftProposer, draft_batch
 from .targets.base import Part
-from .trees import DraftTree, TreeBuilder, TreeSettings, build_trees, make_builder
+from .trees import DraftTree, TreeBuilder, TreeSettings, build_trees, grow_kernel, make_builder
 from .verify import Sampler
 
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
@@ -55,6 +55,7 @@ def identity(target, proposer=None) -> dict:
         "forward": target.name,  # which forward (targets/)
         "kernels": kernels.build_dir().name,  # the lean kernels' source and build: changed kernels, new times
         "quant_kernels": quant.build_dir().name,  # the same for the integer products
+        "tree_kernels": kernels.extension_dir(grow_kernel.SOURCE, "tree_kernels").name,  # and the tree grower
         "threads": torch.get_num_threads(),
         "machine": describe_machine(),
         "version": COST_MODEL_VERSION,

@@ -13,7 +13,7 @@ import bisect
 import json
 import math
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from .errors import DartreeError
@@ -47,6 +47,15 @@ class CostModel:
     def tree_share(self, requests: int) -> float:
         """A request's share of building ``requests`` dartree trees together (``trees.build_trees``)."""
         return _share(self.tree_ms, self.tree_batch_ms, requests)
+
+    def for_proposer(self, proposer: str | None) -> "CostModel":
+        """The prices a request of ``proposer`` pays: this model for the drafter (its call and its
+        tree build are what ``draft_ms`` / ``tree_ms`` measure); for a proposer without a drafter
+        (``ngram``: a lookup of ~0.05 ms in the request's own index) the same forwards and no call or
+        build to pay. The copy shares a ``MeasuredCostModel``'s running scales."""
+        if proposer in (None, "drafter"):
+            return self
+        return replace(self, draft_ms=0.0, tree_ms=0.0, draft_batch_ms={}, tree_batch_ms={})
 
     def round_ms(self, nodes: int) -> float:
         """A speculative round with ``nodes`` tree nodes: draft + tree build + verify over nodes + 1 rows."""

@@ -426,6 +426,8 @@ def observe(state: RoundState) -> None:
             commit(state.target, ln, accepted)
             if r.policy is not None:
                 r.policy.observe(ln.tree, accepted)
+            if ln.proposal is not None and hasattr(r.proposer, "learn"):  # a proposer that learns from verification
+                r.proposer.learn(ln.tree, accepted)
             r.stats.acceptance_lengths.append(len(accepted))
             r.stats.tree_sizes.append(len(ln.tree))
             r.stats.drafted.append(ln.proposal is not None)
@@ -497,7 +499,7 @@ class Engine:
                 continue
             r.slot = self.free.pop(0)
             if self.costs is not None and r.policy is not None:
-                r.policy.cost = self.costs
+                r.policy.cost = self.costs.for_proposer(r.proposer.name if r.proposer is not None else None)
             self.target.reset_slot(r.slot)
             if r.proposer is not None:
                 r.proposer.reset()
@@ -584,6 +586,8 @@ def reference_round(target: Target, r: Request) -> None:
     _keep(target, r, start, tokens, tapped, accepted)
     if r.policy is not None:
         r.policy.observe(tree, accepted)
+    if proposal is not None and hasattr(r.proposer, "learn"):
+        r.proposer.learn(tree, accepted)
     r.stats.acceptance_lengths.append(len(accepted))
     r.stats.tree_sizes.append(len(tree))
     r.stats.drafted.append(proposal is not None)

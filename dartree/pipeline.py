@@ -19,7 +19,7 @@ from .hardware import set_threads
 from .loading import check_pair, cpu_products, load_drafter, load_target, load_tokenizer, parse_dtype, resolve_device
 from .prompts import chat_token_ids
 from .settings import GenerationSettings
-from .proposers import Proposer, make_proposer
+from .proposers import PROPOSERS, Proposer, make_proposer
 from .trees.grow_kernel import head_tables
 from .targets import WEIGHTS, check_context_length, make_target, unsupported_reason
 from .trees import available_methods
@@ -72,6 +72,9 @@ class Pipeline:
                 self.head.bind(self.target.embed_tokens, drafter.d2t)
                 head_tables(self.head)  # the compiled tree grower's tables, made at load, not in the first round
             self.proposer = make_proposer("drafter", self)
+        # "auto": measured (or read from the cache) now with a drafter; without one (the forwards
+        # alone, for budget auto of drafter-free methods) when a request first needs it
+        self._calibrate_on_use = cost_model == "auto" and drafter is None
         if cost_model == "auto":
             if drafter is not None:
                 self.calibrate()
@@ -103,6 +106,9 @@ class Pipeline:
 
     def cost_model(self) -> CostModel:
         """The cost model budget "auto" uses (see ``cost_model=`` of the constructor)."""
+        if self._cost_model is None and self._calibrate_on_use:
+            self._calibrate_on_use = False
+            self.calibrate()
         require(self._cost_model is not None,
                 "budget 'auto' needs a cost model: this pipeline was made with cost_model=None; call pipe.calibrate() "
                 "(this machine's, measured once and cached) or pipe.use_cost_model(CostModel.from_json(...))")
@@ -113,7 +119,9 @@ class Pipeline:
         carries over from one generate call to the next."""
         key = (settings.method, settings.tree, settings.temperature > 0)
         if key not in self._policies:
-            self._policies[key] = BudgetPolicy(self.cost_model(), max_depth=self.proposer.num_depths)
+            proposer = settings.builder().proposer
+            depth = self.proposer.num_depths if proposer == "drafter" else PROPOSERS[proposer].num_depths
+            self._policies[key] = BudgetPolicy(self.cost_model().for_proposer(proposer), max_depth=depth)
         return self._policies[key]
 
     def request(self, ids: torch.Tensor, settings: GenerationSettings, stop_token_ids: list[int] | None = None,
@@ -142,7 +150,8 @@ class Pipeline:
         (the Hugging Face forward holds one; the lean forward any number). ``measured_costs``: budget
         "auto" weighs the cost model scaled by what the engine's rounds measure
         (``costmodel.MeasuredCostModel``; the server's choice), not the calibration alone."""
-        costs = MeasuredCostModel.following(self._cost_model) if measured_costs and self._cost_model is not None else None
+        base = self.cost_model() if measured_costs and self._calibrate_on_use else self._cost_model
+        costs = MeasuredCostModel.following(base) if measured_costs and base is not None else None
         return Engine(self.target, max_batch, costs=costs)
 
     @property

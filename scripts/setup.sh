@@ -16,3 +16,5 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 .venv/bin/python -c "from dartree import kernels; print('lean forward kernels:', 'ready' if kernels.available() else 'unavailable')"
 # The integer products on the GGUF file's blocks (the default target), compiled once for this CPU.
 .venv/bin/python -c "from dartree import quant; print('quantised products:', 'ready' if quant.available() else 'unavailable')"
+# DARTree's tree grower, compiled the same way (without it trees grow in Python)
+.venv/bin/python -c "from dartree.trees import grow_kernel; print('compiled tree grower:', 'ready' if grow_kernel.available() else 'unavailable')"

@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 from dartree.trees import BUILDERS
 from dartree.trees import METHODS as ALL_METHODS
 
-TREE_METHODS = tuple(m for m, b in BUILDERS.items() if "budget" in b.reads)
+# methods whose trees come from the drafter (the n-gram methods' own cases: tests/test_ngram.py)
+TREE_METHODS = tuple(m for m, b in BUILDERS.items() if "budget" in b.reads and b.proposer == "drafter")
 DRAFT_METHODS = tuple(m for m, b in BUILDERS.items() if b.proposer is not None)
 HF_CACHE = {}
 
@@ -46,9 +47,10 @@ def test_every_method_matches_hf_greedy(pipelines, family, head, prompt, budget,
 def test_all_methods_are_exercised(pipelines):
     assert set(pipelines[("llama", "domino")].methods) == set(ALL_METHODS)
     assert set(pipelines[("llama", "markov")].methods) == set(ALL_METHODS)
-    assert set(pipelines[("llama", None)].methods) == {"ar", "dflash", "ddtree"}
+    assert set(pipelines[("llama", None)].methods) == {"ar", "dflash", "ddtree", "ngram", "ngram-chain"}
     # the registry holds the published method names (part of the public contract)
-    assert ALL_METHODS == ("ar", "dflash", "domino", "ddtree", "domino-ddtree", "heap", "dartree", "dartree-fixed")
+    assert ALL_METHODS == ("ar", "dflash", "domino", "ddtree", "domino-ddtree", "heap", "dartree", "dartree-fixed",
+                           "ngram", "ngram-chain")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -220,7 +222,8 @@ def test_reduced_vocabulary_trees_hold_target_ids_of_the_draft_vocabulary(reduce
     ids = torch.tensor([1, 2, 3])
     from dartree.targets import prefill
 
-    _, features = prefill(pipe.target, ids) if pipe.target.capture else (None, None)
+    pipe.target.capture = True  # (a drafter-free method run before leaves it off)
+    _, features = prefill(pipe.target, ids)
     pipe.proposer.reset()
     draft = pipe.proposer.draft(4, features, 3)
     assert draft.base_logits.shape[-1] == 5

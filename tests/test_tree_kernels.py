@@ -10,7 +10,7 @@ from dartree.drafter import DraftOutput
 from dartree.heads import DominoHead, MarkovHead
 from dartree.trees import TreeSettings, make_builder
 from dartree.trees import grow_kernel
-from dartree.trees.dartree import _ranked_top_b, grow_supertree
+from dartree.trees.dartree import Supertree, _ranked_top_b, grow_supertree
 
 pytestmark = pytest.mark.skipif(not grow_kernel.available(), reason="no compiler for the tree kernels")
 
@@ -51,8 +51,9 @@ def test_compiled_grower_builds_the_python_growers_tree(kind, seed, depths, redu
     head, d2t = make_head(kind, seed, 61 if reduced else None, pure_prefix)
     draft = make_draft(seed, depths, 61 if reduced else TARGET_VOCAB, d2t)
     want = grow_supertree(draft, head, tree_top_k, lambda depth, placed: width, budget=budget, beta=beta)
-    got = grow_kernel.grow_supertree(draft, head, tree_top_k, width, budget, beta)
-    assert got is not None
+    grown = grow_kernel.grow_supertree(draft, head, tree_top_k, width, budget, beta)
+    assert grown is not None
+    got = Supertree(*grown)
     for name in ("tokens", "parents", "depths"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
     torch.testing.assert_close(got.scores, want.scores, rtol=1e-12, atol=1e-12)

@@ -265,6 +265,10 @@ def run_replay(pipe, samples: list[Sample], grid: list[RunConfig], out_path: Pat
     model, and each record the model's one-row step (``modeled_step_ms``): the report turns them
     into a modeled speedup over ``ar``."""
     configs = [c for c in grid if c.temperature == 0 and c.method not in PEERS and c.method != "ar"]
+    drafter_free = sorted({c.method for c in configs if BUILDERS[c.method].proposer != "drafter"})
+    if drafter_free:  # replay reruns the drafter on the known answer; the n-gram methods are decoded
+        print(f"replay leaves out {', '.join(drafter_free)} (no drafter to replay; run them without --replay)", file=sys.stderr)
+        configs = [c for c in configs if c.method not in drafter_free]
     out_path.parent.mkdir(parents=True, exist_ok=True)
     records = read_records(out_path)
     done = {(r["dataset"], r["sample_id"], r["key"]) for r in records}

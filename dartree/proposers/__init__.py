@@ -2,5 +2,7 @@
 
 from .base import PROPOSERS, Proposer, make_proposer, register
 from .drafter import DraftProposer, draft_batch
+from .ngram import NgramChainProposer, NgramProposer
 
-__all__ = ["PROPOSERS", "Proposer", "make_proposer", "register", "DraftProposer", "draft_batch"]
+__all__ = ["PROPOSERS", "Proposer", "make_proposer", "register", "DraftProposer", "draft_batch", "NgramProposer",
+           "NgramChainProposer"]

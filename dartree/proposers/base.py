@@ -15,6 +15,9 @@ A proposer serves ONE request (its own state: a drafter cache, a suffix index, .
   last call, in order (prompt chunks, then each round's accepted path starting with its bonus
   token): their token ids [n] and, where ``reads_tapped_states``, the target's tapped states [n, m*H].
 - ``reset()``: the proposer starts a new request.
+- ``learn(tree, accepted)`` (optional): after a round with its proposal, the tree the target verified
+  (its proposal as the method and the budget cut it, target ids) and the rows of the accepted path
+  (0 the root): what a proposer that estimates its own acceptance learns from (``ngram``).
 
 Attributes: ``name`` (as registered), ``reads_tapped_states`` (the target collects tapped states
 for rounds with such a request), ``head`` (the correction head the tree methods that need one

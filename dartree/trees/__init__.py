@@ -12,7 +12,7 @@ from .base import BUILDERS, TreeBuilder, TreeSettings, build_trees, parse_budget
 from .tree import DraftTree, subtree
 
 # The methods in the order they register (the order of METHODS, the CLI, the bench and the report).
-from . import ar, dflash, domino, ddtree, domino_ddtree, heap, dartree  # noqa: E402,F401  isort: skip
+from . import ar, dflash, domino, ddtree, domino_ddtree, heap, dartree, ngram  # noqa: E402,F401  isort: skip
 from .dartree import DARTreeBuilder, Supertree, grow_supertree, grow_supertrees  # noqa: E402
 
 METHODS: tuple[str, ...] = tuple(BUILDERS)

@@ -148,8 +148,10 @@ class DARTreeBuilder(TreeBuilder):
 
     def build(self, draft, head, budget):
         s = self.settings
-        st = grow_kernel.grow_supertree(draft, head, s.tree_top_k, s.width, budget, s.beta)  # compiled, where it runs
-        if st is None:
+        grown = grow_kernel.grow_supertree(draft, head, s.tree_top_k, s.width, budget, s.beta)  # compiled, where it runs
+        if grown is not None:
+            st = Supertree(*grown)
+        else:
             st = grow_supertree(draft, head, s.tree_top_k, lambda depth, placed: s.width, budget=budget, beta=s.beta)
         return _ranked_top_b(st, budget, s.beta)
 

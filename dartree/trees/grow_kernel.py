@@ -93,10 +93,9 @@ def head_tables(head) -> HeadTables | None:
 
 @torch.no_grad()
 def grow_supertree(draft, head, tree_top_k: int, width: int, budget: int | None, beta: float):
-    """``trees.dartree.grow_supertree`` with a quota of ``width`` a depth, in one compiled call; None
-    where the kernel does not take this head or these logits (the caller grows in Python)."""
-    from .dartree import Supertree
-
+    """``trees.dartree.grow_supertree`` with a quota of ``width`` a depth, in one compiled call: the
+    supertree's (tokens, parents, depths, scores); None where the kernel does not take this head or
+    these logits (the caller grows in Python)."""
     tables = head_tables(head)
     base = draft.base_logits
     if tables is None or base.dtype != tables.table.dtype or base.device.type != "cpu":
@@ -107,7 +106,6 @@ def grow_supertree(draft, head, tree_top_k: int, width: int, budget: int | None,
     rnd = head.start_round(draft.hidden, base)
     hidden_proj = rnd.hidden_proj.contiguous() if tables.kind == DOMINO else base.new_zeros(0)
     root = head.initial_state(draft.bonus)[0].contiguous()
-    tokens, parents, depths, scores = load().grow_supertree(
+    return tuple(load().grow_supertree(
         cands, cand_base, tables.kind, out_rows_t, tables.table, hidden_proj, tables.w_state_t, tables.w_hh_t, root,
-        tables.uncorrected, width, 0 if budget is None else budget, float(beta))
-    return Supertree(tokens, parents, depths, scores)
+        tables.uncorrected, width, 0 if budget is None else budget, float(beta)))

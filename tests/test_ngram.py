@@ -1,0 +1,102 @@
+"""The n-gram proposer: its index, its trees, what it learns, and the methods on it (exact)."""
+
+import torch
+from conftest import VOCAB, hf_greedy
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dartree.proposers import NgramChainProposer, NgramProposer, Proposer
+from dartree.trees import DraftTree
+
+
+def seen(proposer, tokens):
+    proposer.observe(torch.tensor(tokens), None)
+    return proposer
+
+
+def paths(tree: DraftTree) -> list[tuple[int, ...]]:
+    out = []
+    for parent, token in zip(tree.parents.tolist(), tree.tokens.tolist()):
+        out.append((out[parent - 1] if parent > 0 else ()) + (token,))
+    return out
+
+
+def test_the_longest_repeated_suffix_gives_every_recent_continuation_as_branches():
+    p = seen(NgramProposer(), [5, 1, 2, 3, 9, 1, 2, 4, 4, 7, 1])
+    assert isinstance(p, Proposer)
+    tree = p.propose(2)  # the text ends "1 2": it was followed by "3 9 ..." and by "4 4 7 1 2"
+    got = set(paths(tree))
+    assert (3,) in got and (4,) in got and (3, 9) in got and (4, 4, 7, 1, 2) in got
+    assert len(got) == len(tree)  # shared prefixes are one node
+    assert max(len(x) for x in got) <= NgramProposer.num_depths
+    # ranked: every prefix of the rank is a tree, and a child never outscores its parent
+    parents = tree.parents.tolist()
+    placed = set()
+    for node in tree.rank.tolist():
+        assert parents[node] == 0 or parents[node] - 1 in placed
+        placed.add(node)
+    lp = tree.log_probs.tolist()
+    assert all(lp[i] <= lp[parents[i] - 1] for i in range(len(lp)) if parents[i] > 0)
+
+
+def test_the_chain_variant_takes_the_latest_occurrence_only():
+    p = seen(NgramChainProposer(), [5, 1, 2, 3, 9, 1, 2, 4, 4, 7, 1])
+    tree = p.propose(2)
+    assert paths(tree)[-1] == (4, 4, 7, 1, 2) and len(tree) == 5  # one chain
+
+
+def test_nothing_seen_before_proposes_nothing():
+    assert len(seen(NgramProposer(), [1, 2, 3]).propose(4)) == 0
+    assert len(NgramProposer().propose(4)) == 0
+
+
+@settings(max_examples=50, deadline=None)
+@given(text=st.lists(st.integers(0, 5), min_size=1, max_size=60), bonus=st.integers(0, 5))
+def test_the_index_finds_what_a_scan_finds(text, bonus):
+    """The tree's depth-1 tokens are exactly what followed the latest occurrences of the longest
+    suffix that occurred before (a brute-force scan of the text)."""
+    p = seen(NgramProposer(), text)
+    history = text + [bonus]
+    want: set[int] = set()
+    for n in range(min(NgramProposer.max_match, len(history)), 0, -1):
+        suffix = history[-n:]
+        ends = [e for e in range(n, len(history)) if history[e - n:e] == suffix]
+        if ends:
+            want = {history[e] for e in ends[-NgramProposer.max_matches:]}
+            break
+    tree = p.propose(bonus)
+    assert {t for t, d in zip(tree.tokens.tolist(), tree.depths.tolist()) if d == 1} == want
+
+
+def test_it_learns_from_what_the_target_accepted():
+    p = seen(NgramProposer(), [1, 2, 3, 1, 2, 3, 1, 2, 3, 1])
+    first = p.propose(2)
+    before = first.log_probs[0].item()
+    for _ in range(6):  # the target keeps accepting the whole proposed chain
+        tree = p.propose(2)
+        assert tree.parents.tolist() == list(range(len(tree)))  # one chain: every occurrence continues alike
+        p.learn(tree, list(range(len(tree) + 1)))
+    assert p.propose(2).log_probs[0].item() > before
+    for _ in range(60):  # and then keeps rejecting its first node
+        tree = p.propose(2)
+        p.learn(tree, [0])
+    assert p.propose(2).log_probs[0].item() < before
+
+
+def test_ngram_methods_reproduce_greedy_decoding(pipelines):
+    """Drafter-free methods on a pipeline with no drafter: exact on prompts built to repeat, and the
+    proposals are accepted (not only plain steps)."""
+    pipe = pipelines[("llama", None)]
+    assert {"ngram", "ngram-chain"} <= set(pipe.methods)
+    rng = torch.Generator().manual_seed(0)
+    accepted = {"ngram": 0, "ngram-chain": 0}
+    for _ in range(10):
+        pattern = torch.randint(VOCAB, (int(torch.randint(2, 5, (1,), generator=rng)),), generator=rng).tolist()
+        prompt = pattern * 3
+        want = hf_greedy(pipe.target_model, prompt, 24)
+        for method in accepted:
+            for budget in ("auto", 3, 16):
+                got = pipe.generate(input_ids=prompt, method=method, max_new_tokens=24, budget=budget, stop_token_ids=[])
+                assert got.token_ids == want, (method, budget)
+                accepted[method] += sum(got.stats.acceptance_lengths) - got.stats.rounds
+    assert all(n > 0 for n in accepted.values()), accepted
