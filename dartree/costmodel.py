@@ -53,7 +53,7 @@ class CostModel:
         tree build are what ``draft_ms`` / ``tree_ms`` measure); for a proposer without a drafter
         (``ngram``: a lookup of ~0.05 ms in the request's own index) the same forwards and no call or
         build to pay. The copy shares a ``MeasuredCostModel``'s running scales."""
-        if proposer in (None, "drafter"):
+        if proposer is None or "drafter" in proposer.split("+"):  # "drafter", "drafter+ngram"
             return self
         return replace(self, draft_ms=0.0, tree_ms=0.0, draft_batch_ms={}, tree_batch_ms={})
 

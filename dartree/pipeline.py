@@ -19,7 +19,7 @@ from .hardware import set_threads
 from .loading import check_pair, cpu_products, load_drafter, load_target, load_tokenizer, parse_dtype, resolve_device
 from .prompts import chat_token_ids
 from .settings import GenerationSettings
-from .proposers import PROPOSERS, Proposer, make_proposer
+from .proposers import Proposer, make_proposer
 from .trees.grow_kernel import head_tables
 from .targets import WEIGHTS, check_context_length, make_target, unsupported_reason
 from .trees import available_methods
@@ -120,7 +120,7 @@ class Pipeline:
         key = (settings.method, settings.tree, settings.temperature > 0)
         if key not in self._policies:
             proposer = settings.builder().proposer
-            depth = self.proposer.num_depths if proposer == "drafter" else PROPOSERS[proposer].num_depths
+            depth = self.proposer.num_depths if proposer == "drafter" else make_proposer(proposer, self).num_depths
             self._policies[key] = BudgetPolicy(self.cost_model().for_proposer(proposer), max_depth=depth)
         return self._policies[key]
 
@@ -217,6 +217,7 @@ class Pipeline:
         tree_top_k: int | None = None,
         beta: float | None = None,
         max_budget: int | None = None,
+        ngram: bool | None = None,
         top_k: int | None = None,
         top_p: float | None = None,
         stop_token_ids: list[int] | None = None,
@@ -227,7 +228,8 @@ class Pipeline:
 
         ``settings`` (a ``GenerationSettings``, default: the defaults) holds the method, tree and
         sampling settings; any keyword given here replaces its field (None keeps it). ``tree_top_k`` is
-        DARTree's K (candidates per depth); ``top_k`` / ``top_p`` restrict sampling of the target's
+        DARTree's K (candidates per depth); ``ngram`` merges the n-gram proposer's tree into ``dartree``'s;
+        ``top_k`` / ``top_p`` restrict sampling of the target's
         distribution (temperature > 0 only), as in Hugging Face. ``top_k`` was DARTree's K before it
         became ``tree_top_k``; a retired spelling (``sampling_top_k=``) or any other unknown keyword is
         a ``DartreeError`` that names the setting to use.
@@ -237,7 +239,8 @@ class Pipeline:
         the prompt first, then each round's verified tokens as soon as the round ends."""
         settings = GenerationSettings.from_kwargs(
             settings, method=method, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, budget=budget,
-            width=width, tree_top_k=tree_top_k, beta=beta, max_budget=max_budget, top_k=top_k, top_p=top_p, **retired,
+            width=width, tree_top_k=tree_top_k, beta=beta, max_budget=max_budget, ngram=ngram, top_k=top_k, top_p=top_p,
+            **retired,
         ).validate()
         ids = self.encode(prompt, messages, input_ids)
         self.check_request(ids, settings)

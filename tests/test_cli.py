@@ -159,7 +159,7 @@ def test_every_generation_and_tree_setting_is_one_declaration_that_the_cli_the_a
         defaults = parser.parse_args(command)
         assert generation_settings(defaults) == GenerationSettings()
         given = GenerationSettings(method="ddtree", max_new_tokens=7, temperature=0.5, seed=3, top_k=5, top_p=0.9,
-                                   tree=TreeSettings(budget=8, width=3, tree_top_k=9, beta=-0.5, max_budget=32))
+                                   tree=TreeSettings(budget=8, width=3, tree_top_k=9, beta=-0.5, max_budget=32, ngram=True))
         argv = list(command)
         for s in declared:
             value = getattr(given.tree if s.name in TreeSettings.__dataclass_fields__ else given, s.name)
@@ -168,7 +168,8 @@ def test_every_generation_and_tree_setting_is_one_declaration_that_the_cli_the_a
     keywords = set(inspect.signature(Pipeline.generate).parameters)
     assert {s.name for s in declared} <= keywords
     body = {"messages": [{"role": "user", "content": "x"}], "method": "ddtree", "max_tokens": 7, "temperature": 0.5,
-            "seed": 3, "top_k": 5, "top_p": 0.9, "budget": 8, "width": 3, "tree_top_k": 9, "beta": -0.5, "max_budget": 32}
+            "seed": 3, "top_k": 5, "top_p": 0.9, "budget": 8, "width": 3, "tree_top_k": 9, "beta": -0.5, "max_budget": 32,
+            "ngram": True}
     assert {s.metadata["request"] for s in declared} == set(body) - {"messages"}
     assert parse_request(body, GenerationSettings(), chat=True)[1] == given
 

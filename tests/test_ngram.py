@@ -100,3 +100,57 @@ def test_ngram_methods_reproduce_greedy_decoding(pipelines):
                 assert got.token_ids == want, (method, budget)
                 accepted[method] += sum(got.stats.acceptance_lengths) - got.stats.rounds
     assert all(n > 0 for n in accepted.values()), accepted
+
+
+def test_merged_trees_keep_every_path_once_with_its_best_score_and_a_valid_ranking():
+    from dartree.trees.common import merge_ranked
+
+    def ranked(tokens, parents, log_probs):
+        t = DraftTree.from_lists(tokens, parents, [0] * len(tokens))
+        depth = []
+        for p in parents:
+            depth.append(1 if p == 0 else depth[p - 1] + 1)
+        t.depths = torch.tensor(depth)
+        t.log_probs = torch.tensor(log_probs, dtype=torch.float64)
+        t.rank = torch.sort(t.log_probs, descending=True, stable=True).indices
+        return t
+
+    a = ranked([5, 6, 7], [0, 1, 0], [-0.1, -0.5, -2.0])   # 5, 5-6, 7
+    b = ranked([5, 8, 6], [0, 1, 1], [-0.3, -0.2, -0.4])   # 5, 5-8, 5-6
+    merged = merge_ranked([a, b], budget=10, beta=0.0)
+    got = dict(zip(paths(merged), merged.log_probs.tolist()))
+    assert got == {(5,): -0.1, (5, 6): -0.4, (5, 8): -0.2, (7,): -2.0}
+    parents, placed = merged.parents.tolist(), set()
+    for node in merged.rank.tolist():
+        assert parents[node] == 0 or parents[node] - 1 in placed
+        placed.add(node)
+    top2 = merge_ranked([a, b], budget=2, beta=0.0)
+    assert set(paths(top2)) == {(5,), (5, 8)}  # one top-B over both sources
+
+
+def test_the_ngram_setting_is_validated_and_read_by_dartree_only():
+    import pytest
+    from dartree.errors import DartreeError
+    from dartree.trees import TreeSettings, make_builder
+
+    assert TreeSettings(ngram=True).validate().ngram is True
+    with pytest.raises(DartreeError, match="ngram must be on or off"):
+        TreeSettings(ngram="maybe").validate()
+    assert make_builder("dartree", TreeSettings(ngram=True)).proposer == "drafter+ngram"
+    assert make_builder("dartree", TreeSettings()).proposer == "drafter"
+
+
+def test_dartree_with_ngram_merged_reproduces_greedy_decoding(pipelines):
+    pipe = pipelines[("llama", "domino")]
+    rng = torch.Generator().manual_seed(1)
+    extra = 0
+    for _ in range(8):
+        pattern = torch.randint(VOCAB, (int(torch.randint(2, 5, (1,), generator=rng)),), generator=rng).tolist()
+        prompt = pattern * 3
+        want = hf_greedy(pipe.target_model, prompt, 24)
+        for budget in ("auto", 3, 16):
+            got = pipe.generate(input_ids=prompt, method="dartree", ngram=True, max_new_tokens=24, budget=budget,
+                                stop_token_ids=[])
+            assert got.token_ids == want, budget
+            extra += sum(got.stats.acceptance_lengths) - got.stats.rounds
+    assert extra > 0

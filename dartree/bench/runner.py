@@ -45,7 +45,9 @@ class _RunConfigMethods:
         parts = [self.method, f"T={self.temperature:g}"]
         for setting in TreeSettings.declarations():
             value = getattr(self, setting.name)
-            if value is not None:
+            if isinstance(value, bool):  # a switch: named when on, so records made before it keep their keys
+                parts.extend([f"{setting.metadata['key']}=on"] if value else [])
+            elif value is not None:
                 parts.append(f"{setting.metadata['key']}={value:g}" if isinstance(value, float) else f"{setting.metadata['key']}={value}")
         if self.dtype != "float32":
             parts.append(self.dtype)
@@ -265,10 +267,11 @@ def run_replay(pipe, samples: list[Sample], grid: list[RunConfig], out_path: Pat
     model, and each record the model's one-row step (``modeled_step_ms``): the report turns them
     into a modeled speedup over ``ar``."""
     configs = [c for c in grid if c.temperature == 0 and c.method not in PEERS and c.method != "ar"]
-    drafter_free = sorted({c.method for c in configs if BUILDERS[c.method].proposer != "drafter"})
-    if drafter_free:  # replay reruns the drafter on the known answer; the n-gram methods are decoded
-        print(f"replay leaves out {', '.join(drafter_free)} (no drafter to replay; run them without --replay)", file=sys.stderr)
-        configs = [c for c in configs if c.method not in drafter_free]
+    others = [c for c in configs if make_builder(c.method, c.tree_settings()).proposer != "drafter"]
+    if others:  # replay reruns the drafter alone on the known answer; the n-gram proposals are decoded
+        print(f"replay leaves out {', '.join(sorted({c.label for c in others}))} (only the drafter is replayed; "
+              "run them without --replay)", file=sys.stderr)
+        configs = [c for c in configs if c not in others]
     out_path.parent.mkdir(parents=True, exist_ok=True)
     records = read_records(out_path)
     done = {(r["dataset"], r["sample_id"], r["key"]) for r in records}

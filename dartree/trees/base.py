@@ -16,6 +16,18 @@ def parse_budget(text: str) -> int | str:
     return text if text == "auto" else int(text)
 
 
+def parse_switch(text) -> bool:
+    """A switch as written on a command line or in a list: on/off (true/false, 1/0, yes/no)."""
+    if isinstance(text, bool):
+        return text
+    word = str(text).strip().lower()
+    if word in ("on", "true", "1", "yes"):
+        return True
+    if word in ("off", "false", "0", "no"):
+        return False
+    raise ValueError(text)
+
+
 def refuse_retired(**renamed: str):
     """A class decorator: each keyword ``old=new`` of ``renamed`` is a retired spelling of a setting
     that is now ``new``; giving it to the class (or to ``GenerationSettings.from_kwargs``) is a
@@ -58,7 +70,7 @@ def _setting(default, help: str, flags: tuple[str, ...], request: str, key: str,
     how to read it from text (and what that accepts, for error messages). The CLI, the server, the bench grid and its records derive their
     arguments and fields from these; the methods that read a setting come from the registry
     (``TreeBuilder.settings_read``)."""
-    expects = {int: "an integer", float: "a number", parse_budget: "an integer or 'auto'"}[parse]  # for error messages
+    expects = {int: "an integer", float: "a number", parse_budget: "an integer or 'auto'", parse_switch: "on or off"}[parse]
     return field(default=default, metadata={"help": help, "flags": flags, "request": request, "key": key, "parse": parse,
                                             "expects": expects})
 
@@ -78,6 +90,8 @@ class TreeSettings:
     beta: float = _setting(-0.2, "depth bonus of the final top-B, must be <= 0", ("--beta",), "beta", "beta", float)
     max_budget: int = _setting(64, "with --budget auto: the largest tree built each round", ("--max-budget",), "max_budget",
                                "max")
+    ngram: bool = _setting(False, "dartree: merge the n-gram proposer's continuations of the text's repeated suffix into "
+                           "the drafter's tree before its global top-B (on/off)", ("--ngram",), "ngram", "ngram", parse_switch)
 
     @classmethod
     def declarations(cls):
@@ -100,6 +114,8 @@ class TreeSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise DartreeError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.ngram, bool):
+            raise DartreeError(f"ngram must be on or off (a boolean), got {self.ngram!r}")
         if not (isinstance(self.beta, (int, float)) and math.isfinite(self.beta)):
             raise DartreeError(f"beta must be a finite number <= 0, got {self.beta!r}")
         if self.beta > 0:

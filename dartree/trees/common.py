@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+import math
 
 import torch
 
@@ -87,6 +88,28 @@ def select_top_b(prune_scores: torch.Tensor, parents: torch.Tensor, budget: int)
         return torch.arange(n, device=prune_scores.device)
     order = torch.sort(prune_scores, descending=True, stable=True).indices
     return order[:budget].sort().values
+
+
+def merge_ranked(trees: list[DraftTree], budget: int, beta: float = 0.0) -> DraftTree:
+    """One ranked tree of the union of ranked trees over the same root (target ids): a path in several
+    keeps the best of its log-probabilities, nodes are ranked by log-probability + beta * depth (a child
+    never outranks its parent: each tree's log-probabilities never increase along a path, and so
+    does their maximum), and the best ``budget`` of the union are kept: one global top-B over every source."""
+    best: dict[tuple[int, ...], float] = {}
+    for tree in trees:
+        paths: list[tuple[int, ...]] = []
+        for parent, token, lp in zip(tree.parents.tolist(), tree.tokens.tolist(), tree.log_probs.tolist()):
+            paths.append((paths[parent - 1] if parent > 0 else ()) + (token,))
+            best[paths[-1]] = max(best.get(paths[-1], -math.inf), lp)
+    order = sorted(best, key=len)  # parents before children (stable: each tree's own order within a depth)
+    row = {path: i + 1 for i, path in enumerate(order)}
+    device = trees[0].tokens.device if trees else "cpu"
+    merged = DraftTree.from_lists([p[-1] for p in order], [row[p[:-1]] if len(p) > 1 else 0 for p in order],
+                                  [len(p) for p in order], device=device)
+    merged.log_probs = torch.tensor([best[p] for p in order], dtype=torch.float64, device=device)
+    prune = merged.log_probs + beta * merged.depths.to(torch.float64)
+    merged.rank = torch.sort(prune, descending=True, stable=True).indices
+    return merged.prefix(budget) if len(merged) else merged
 
 
 def candidate_tables(draft, tree_top_k: int) -> torch.Tensor:

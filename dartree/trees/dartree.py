@@ -3,14 +3,14 @@ in one batch, then one global top-B."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..heads import CorrectionHead
 from .base import TreeBuilder, register
 from . import grow_kernel
-from .common import candidate_tables, select_top_b
+from .common import candidate_tables, merge_ranked, select_top_b
 from .tree import DraftTree, subtree
 
 
@@ -144,9 +144,16 @@ class DARTreeBuilder(TreeBuilder):
     name = "dartree"
     ranked = True
     needs_head = True
-    reads = ("budget", "width", "tree_top_k", "beta")
+    reads = ("budget", "width", "tree_top_k", "beta", "ngram")
+
+    def __init__(self, settings):
+        super().__init__(settings)
+        # with ngram on, each round's proposal is the drafter's draft and the n-gram tree (proposers/combined.py)
+        self.proposer = "drafter+ngram" if settings.ngram else "drafter"
 
     def build(self, draft, head, budget):
+        if hasattr(draft, "ngram"):  # a DraftAndNgram proposal
+            return self.build_many([self], [draft], head, [budget])[0]
         s = self.settings
         grown = grow_kernel.grow_supertree(draft, head, s.tree_top_k, s.width, budget, s.beta)  # compiled, where it runs
         if grown is not None:
@@ -157,6 +164,10 @@ class DARTreeBuilder(TreeBuilder):
 
     @staticmethod
     def build_many(builders, drafts, head, budgets):
+        if drafts and hasattr(drafts[0], "ngram"):  # the drafter's trees (as target ids) and the n-gram trees, merged
+            trees = DARTreeBuilder.build_many(builders, [d.draft for d in drafts], head, budgets)
+            return [merge_ranked([replace(t, tokens=d.draft.to_target(t.tokens)), d.ngram], n, b.settings.beta)
+                    for b, d, t, n in zip(builders, drafts, trees, budgets)]
         if len(builders) == 1 or grow_kernel.head_tables(head) is not None:  # the compiled grower: one call a tree
             return [b.build(d, head, n) for b, d, n in zip(builders, drafts, budgets)]
         s = builders[0].settings  # one group shares its settings (trees.build_trees)
