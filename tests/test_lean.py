@@ -318,3 +318,26 @@ def test_every_instruction_set_path_gives_the_same_bits(variant):
                 visible[:, 0] = 1
                 args = (slots, past, visible, nh, hd ** -0.5)
                 assert torch.equal(ext.attention(q, k, v, *args), other.attention(q, k, v, *args)), (dtype, hd, rows)
+
+
+@pytest.mark.parametrize("hd", [64, 128])
+def test_attention_of_rows_taken_together_gives_each_row_its_bits_alone(hd, monkeypatch):
+    """Rows that share a slot and a committed length (a tree's, a prompt chunk's) are attended
+    together (each key and value read once for all of them, AVX-512): every row gets the bits of the
+    per-query path and of its own call alone, whatever the runs, their lengths and what each row sees."""
+    gen = torch.Generator().manual_seed(21)
+    nh, nkv, slots_count, capacity, width = 9, 3, 3, 200, 19
+    k = torch.randn(slots_count, nkv, capacity, hd, generator=gen)
+    v = torch.randn(slots_count, nkv, capacity, hd, generator=gen)
+    for runs in ([(0, 37, 19)], [(1, 0, 5), (1, 0, 3), (2, 150, 11)], [(0, 16, 1), (2, 64, 17), (1, 99, 2)]):
+        slots = torch.cat([torch.full((n,), s) for s, _, n in runs])
+        past = torch.cat([torch.full((n,), p) for _, p, n in runs])
+        visible = (torch.rand(slots.numel(), width, generator=gen) < 0.5).to(torch.uint8)
+        q = torch.randn(slots.numel(), nh * hd, generator=gen) * 3
+        together = ext.attention(q, k, v, slots, past, visible, nh, hd ** -0.5)
+        for r in range(slots.numel()):
+            alone = ext.attention(q[r:r + 1], k, v, slots[r:r + 1], past[r:r + 1], visible[r:r + 1].contiguous(), nh, hd ** -0.5)
+            assert torch.equal(together[r:r + 1], alone), (runs, r)
+        monkeypatch.setenv("DARTREE_ATTENTION_PER_QUERY", "1")
+        assert torch.equal(ext.attention(q, k, v, slots, past, visible, nh, hd ** -0.5), together), runs
+        monkeypatch.delenv("DARTREE_ATTENTION_PER_QUERY")

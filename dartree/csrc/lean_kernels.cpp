@@ -12,6 +12,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <cstdlib>
 #include <cstdint>
 #include <cstring>
 #include <iterator>
@@ -669,6 +670,108 @@ torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
   return q;
 }
 
+#if defined(__AVX512F__)
+// attention for float with head_dim 16 C, queries taken together: one task holds up to 24 / C (row, head)
+// queries that share a slot, a committed length p and a KV head (a tree's rows, a prompt chunk's), so each
+// block of 16 committed keys and each committed value is read once for all of them while it sits in L1,
+// instead of once per query. Every query's arithmetic is the per-query path's, operation for operation:
+// its committed keys' scores by dot16_keys_avx512 in blocks of 16, the rest by dot_heads, the same
+// maximum, exp_neg_inplace and sum_fixed, then its values accumulated in cache order (the committed ones,
+// then its own visible new rows) by the same fmas from zero and divided by the total: the same bits.
+template <int C>
+void attention_grouped(const float* qp, const float* kc, const float* vc, float* op, const int64_t* sp, const int64_t* pp,
+                       const uint8_t* vis, int64_t M, int64_t nh, int64_t nkv, int64_t T, int64_t W, float scale) {
+  constexpr int64_t hd = 16 * C, QC = 24 / C;
+  const int64_t group = nh / nkv;
+  struct Task { int64_t r0, r1, kvh, first, count; };  // rows [r0, r1) of one run; queries first .. first + count
+  std::vector<Task> tasks;
+  for (int64_t r0 = 0; r0 < M;) {
+    int64_t r1 = r0 + 1;
+    while (r1 < M && sp[r1] == sp[r0] && pp[r1] == pp[r0]) ++r1;
+    const int64_t queries = (r1 - r0) * group;  // query q: row r0 + q / group, head kvh * group + q % group
+    for (int64_t kvh = 0; kvh < nkv; ++kvh)
+      for (int64_t f = 0; f < queries; f += QC) tasks.push_back({r0, r1, kvh, f, std::min(QC, queries - f)});
+    r0 = r1;
+  }
+  at::parallel_for(0, (int64_t)tasks.size(), 1, [&](int64_t a, int64_t b) {
+    std::vector<float> scores;
+    for (int64_t t = a; t < b; ++t) {
+      const Task& task = tasks[t];
+      const int64_t p = pp[task.r0], n_max = p + W;
+      const float* kbase = kc + (sp[task.r0] * nkv + task.kvh) * T * hd;
+      const float* vbase = vc + (sp[task.r0] * nkv + task.kvh) * T * hd;
+      scores.resize(QC * n_max);
+      const float* qrow[QC];
+      float* orow[QC];
+      const uint8_t* seen[QC];
+      int64_t count[QC];
+      float total[QC];
+      for (int64_t i = 0; i < task.count; ++i) {
+        const int64_t q = task.first + i, r = task.r0 + q / group, h = task.kvh * group + q % group;
+        qrow[i] = qp + r * nh * hd + h * hd;
+        orow[i] = op + r * nh * hd + h * hd;
+        seen[i] = vis + r * W;
+      }
+      int64_t blocked = 0;
+      for (; blocked + 16 <= p; blocked += 16)  // a block of 16 keys, read once for every query of the task
+        for (int64_t i = 0; i < task.count; ++i) {
+          float* s = scores.data() + i * n_max + blocked;
+          dot16_keys_avx512(qrow[i], kbase + blocked * hd, hd, s);
+          for (int k = 0; k < 16; ++k) s[k] = s[k] * scale;
+        }
+      for (int64_t i = 0; i < task.count; ++i) {
+        float* s = scores.data() + i * n_max;
+        int64_t n = 0;
+        float top = -std::numeric_limits<float>::infinity();
+        auto score = [&](int64_t pos) {
+          if (n >= blocked) s[n] = dot_heads(qrow[i], kbase + pos * hd, hd) * scale;
+          top = s[n] > top ? s[n] : top;
+          ++n;
+        };
+        for (int64_t pos = 0; pos < p; ++pos) score(pos);
+        for (int64_t j = 0; j < W; ++j)
+          if (seen[i][j]) score(p + j);
+        exp_neg_inplace(s, n, top);
+        total[i] = sum_fixed(s, n);
+        count[i] = n;
+      }
+      __m512 acc[QC][C];
+#pragma GCC unroll 24
+      for (int64_t i = 0; i < QC; ++i)
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) acc[i][c] = _mm512_setzero_ps();
+      for (int64_t pos = 0; pos < p; ++pos) {  // the committed values, each read once for every query
+        __m512 v[C];
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) v[c] = _mm512_loadu_ps(vbase + pos * hd + 16 * c);
+#pragma GCC unroll 24
+        for (int64_t i = 0; i < QC; ++i) {
+          if (i < task.count) {
+            const __m512 pi = _mm512_set1_ps(scores[i * n_max + pos]);
+#pragma GCC unroll 8
+            for (int c = 0; c < C; ++c) acc[i][c] = _mm512_fmadd_ps(pi, v[c], acc[i][c]);
+          }
+        }
+      }
+#pragma GCC unroll 24
+      for (int64_t i = 0; i < QC; ++i) {
+        if (i >= task.count) continue;
+        int64_t k = p;  // the query's own visible new rows, in cache order
+        for (int64_t j = 0; j < W; ++j) {
+          if (!seen[i][j]) continue;
+          const __m512 pi = _mm512_set1_ps(scores[i * n_max + k++]);
+#pragma GCC unroll 8
+          for (int c = 0; c < C; ++c) acc[i][c] = _mm512_fmadd_ps(pi, _mm512_loadu_ps(vbase + (p + j) * hd + 16 * c), acc[i][c]);
+        }
+        const __m512 tv = _mm512_set1_ps(total[i]);
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) _mm512_storeu_ps(orow[i] + 16 * c, _mm512_div_ps(acc[i][c], tv));
+      }
+    }
+  });
+}
+#endif
+
 // Row r (slot s, past p) attends to cache positions [0, p) of slot s and to p + j for each j with
 // visible[r, j] != 0 (its new rows: a prompt chunk's causal triangle, a tree's ancestors).
 torch::Tensor attention(torch::Tensor q, torch::Tensor kcache, torch::Tensor vcache, torch::Tensor slots, torch::Tensor past,
@@ -681,6 +784,14 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor kcache, torch::Tensor vca
   const int64_t* pp = past.data_ptr<int64_t>();
   const uint8_t* vis = visible.data_ptr<uint8_t>();
   for (int64_t r = 0; r < M; ++r) TORCH_CHECK(pp[r] >= 0 && pp[r] + W <= T && sp[r] >= 0 && sp[r] < kcache.size(0), "attention: row outside the cache");
+#if defined(__AVX512F__)
+  if (q.scalar_type() == torch::kFloat && (hd == 64 || hd == 128) && !std::getenv("DARTREE_ATTENTION_PER_QUERY")) {
+    const float *qp = q.data_ptr<float>(), *kc = kcache.data_ptr<float>(), *vc = vcache.data_ptr<float>();
+    if (hd == 64) attention_grouped<4>(qp, kc, vc, out.data_ptr<float>(), sp, pp, vis, M, nh, nkv, T, W, float(scale));
+    else attention_grouped<8>(qp, kc, vc, out.data_ptr<float>(), sp, pp, vis, M, nh, nkv, T, W, float(scale));
+    return out;
+  }
+#endif
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attention", [&] {
     const scalar_t *qp = q.data_ptr<scalar_t>(), *kc = kcache.data_ptr<scalar_t>(), *vc = vcache.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
