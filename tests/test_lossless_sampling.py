@@ -135,3 +135,23 @@ def test_top_k_and_top_p_warp_the_target_distribution():
     q = Sampler(1.0, top_p=float(full[0]) + 1e-9).probabilities(logits)[0]
     assert q[0] > 0 and q[1] > 0 and q[2] == 0 and q[3] == 0
     assert torch.allclose(Sampler(0.5).probabilities(logits), (logits / 0.5).softmax(-1))
+
+
+REPEATING = [1, 2, 1, 2, 1]  # a prompt the n-gram proposers continue ("2 1 2 ...") from its first round on
+
+
+@pytest.mark.parametrize("method,extra", [("ngram", {}), ("ngram-chain", {}), ("dartree", {"ngram": True})])
+def test_ngram_proposals_keep_the_targets_distribution(small_pipes, method, extra):
+    """At T = 1 on a prompt that repeats, so that the n-gram proposals are verified and sometimes
+    accepted in most rounds: the joint of the three sampled tokens is still the target's."""
+    pipe = small_pipes["domino"]
+    counts, drafted, accepted = {}, 0, 0
+    for seed in range(SAMPLES):
+        res = pipe.generate(input_ids=REPEATING, method=method, max_new_tokens=3, temperature=1.0, seed=seed, budget=4,
+                            stop_token_ids=[], **extra)
+        counts[tuple(res.token_ids)] = counts.get(tuple(res.token_ids), 0) + 1
+        drafted += res.stats.tree_sizes[0] > 0
+        accepted += res.stats.acceptance_lengths[0] >= 2
+    assert drafted >= SAMPLES // 2 and accepted >= SAMPLES // 20, (drafted, accepted)
+    rejected, stat, crit = chi_square_rejects(counts, exact_joint(pipe.target_model, REPEATING, 3), SAMPLES)
+    assert not rejected, f"{method} {extra}: chi-square {stat:.1f} > {crit:.1f}"
