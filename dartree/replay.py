@@ -33,9 +33,15 @@ from .budget import BudgetPolicy
 from .costmodel import CostModel
 from .engine import Engine, Request, run_alone, truncate
 from .errors import require
+from .proposers import NgramProposer, make_proposer
 from .targets import KnownTarget, prefill
 from .trees import TreeBuilder, make_builder
 from .verify import Sampler
+
+
+def replay_depths(pipe) -> int:
+    """D: how deep a round's proposals reach (the drafter's block, else the n-gram proposer's)."""
+    return pipe.proposer.num_depths if pipe.proposer is not None else NgramProposer.num_depths
 
 
 @torch.no_grad()
@@ -64,7 +70,7 @@ def enough_greedy_many(pipe, prompts: list[torch.Tensor], max_new_tokens: int, s
     """``enough_greedy`` of many prompts, generated together on the batched engine: each prompt's
     greedy tokens to ``max_new_tokens`` + D + 1, cut to what ``enough_greedy`` keeps (its output and
     the D + 1 tokens past it), the same lists."""
-    depths = pipe.proposer.num_depths
+    depths = replay_depths(pipe)
     out = []
     for p, greedy in zip(prompts, greedy_continuations(pipe, prompts, max_new_tokens + depths + 1, slots=slots)):
         keep = len(truncate(greedy, max_new_tokens, stop_ids)) + depths + 1
@@ -76,7 +82,7 @@ def enough_greedy(pipe, prompt_ids: torch.Tensor, max_new_tokens: int, stop_ids:
     """The target's greedy tokens, long enough to replay any method: the decoder's output plus
     D + 1 tokens, since a last round looks that far past its bonus. ``greedy`` (for instance
     ``ar``'s output, which ends at a stop token) is extended rather than recomputed."""
-    depths = pipe.proposer.num_depths
+    depths = replay_depths(pipe)
     if greedy is None:
         greedy = greedy_continuation(pipe, prompt_ids, max_new_tokens, stop_ids)
     greedy = list(greedy)
@@ -115,13 +121,14 @@ def replay(
     builder names to budget policies that cut their ranked trees every round, as ``budget="auto"``
     does in decoding; a policy starts a new request here and keeps its calibration across calls.
     """
-    require(pipe.proposer is not None, "replay needs a drafter")
     policies = policies or {}
     require(all(name in builders and builders[name].ranked for name in policies),
             "budget policies cut ranked trees: give them only for ranked builders (dartree, ddtree, heap, ...)")
     require(cost is not None or not policies, "a budget policy needs a cost model")
-    require(all(b.proposer == "drafter" for b in builders.values()), "replay is for drafter methods; ar has tau = 1")
-    depths = pipe.proposer.num_depths
+    require(all(b.proposer is not None for b in builders.values()), "replay is for methods that speculate; ar has tau = 1")
+    require(pipe.proposer is not None or all("drafter" not in b.proposer.split("+") for b in builders.values()),
+            "replay of a drafter method needs a drafter")
+    depths = replay_depths(pipe)
     greedy = enough_greedy(pipe, prompt_ids, max_new_tokens, stop_ids, greedy)
     output = truncate(greedy, max_new_tokens, stop_ids)
     y = greedy[: len(output) + depths + 1]
@@ -132,8 +139,10 @@ def replay(
 
     lengths: dict[str, list[int]] = {}
     for name, builder in builders.items():
+        # the drafter runs as the pipeline's own (its cache reset per request); any other proposer is made for the run
+        proposer = pipe.proposer if builder.proposer == "drafter" else make_proposer(builder.proposer, pipe)
         request = Request(prompt_ids, builder, Sampler(0.0), max_new_tokens, set(stop_ids), policy=policies.get(name),
-                          proposer=pipe.proposer)
+                          proposer=proposer)
         run_alone(known, request)
         require(request.output == output, f"replay of {name} wrote other tokens than the target's greedy ones (internal error)")
         lengths[name] = request.stats.acceptance_lengths

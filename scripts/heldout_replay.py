@@ -32,8 +32,11 @@ from dartree.hardware import describe_machine  # noqa: E402
 from dartree.train.drafter import replay_tau_by_category  # noqa: E402
 from dartree.trees import TreeSettings, make_builder  # noqa: E402
 
-METHODS = {"dflash": ("dflash", TreeSettings()), "dartree B=16": ("dartree", TreeSettings(budget=16)),
-           "dartree B=64": ("dartree", TreeSettings(budget=64))}
+METHODS = {"dflash": ("dflash", TreeSettings()), "dartree B=16": ("dartree", TreeSettings(budget=16, ngram=False)),
+           "dartree B=64": ("dartree", TreeSettings(budget=64, ngram=False)),
+           "dartree B=16 +ngram": ("dartree", TreeSettings(budget=16, ngram=True)),
+           "dartree B=64 +ngram": ("dartree", TreeSettings(budget=64, ngram=True)),
+           "ngram B=16": ("ngram", TreeSettings(budget=16)), "ngram-chain": ("ngram-chain", TreeSettings())}
 
 
 def main() -> int:

@@ -71,7 +71,7 @@ def main() -> int:
             pipe.proposer.head = TemperedHead(head, temperature)
             grid = {f"T={temperature} beta={beta} B={budget}": (beta, budget)
                     for beta in (float(b) for b in args.betas.split(",")) for budget in (int(b) for b in args.budgets.split(","))}
-            builders = {name: make_builder("dartree", TreeSettings(budget=budget, beta=beta)) for name, (beta, budget) in grid.items()}
+            builders = {name: make_builder("dartree", TreeSettings(budget=budget, beta=beta, ngram=False)) for name, (beta, budget) in grid.items()}
             for name, tau in replay_tau_by_category(pipe, items, builders, 96, greedy).items():
                 beta, budget = grid[name]
                 record = {"temperature": temperature, "beta": beta, "budget": budget, "tau": tau}

@@ -27,7 +27,7 @@ from ..trees import BUILDERS, TreeSettings, make_builder
 from . import llama_cpp
 from .datasets import Sample
 from .records import GreedyAnswers, append_line, read_records
-from ..replay import replay
+from ..replay import replay, replay_depths
 
 HF_PEERS = ("hf-generate", "hf-prompt-lookup")
 PEERS = (*HF_PEERS, *llama_cpp.LLAMA_PEERS)  # other engines decoding the same target, timed beside ours
@@ -45,7 +45,7 @@ class _RunConfigMethods:
         parts = [self.method, f"T={self.temperature:g}"]
         for setting in TreeSettings.declarations():
             value = getattr(self, setting.name)
-            if isinstance(value, bool):  # a switch: named when on, so records made before it keep their keys
+            if isinstance(value, bool):  # a switch: named when on (records made before it existed ran with it off)
                 parts.extend([f"{setting.metadata['key']}=on"] if value else [])
             elif value is not None:
                 parts.append(f"{setting.metadata['key']}={value:g}" if isinstance(value, float) else f"{setting.metadata['key']}={value}")
@@ -267,18 +267,14 @@ def run_replay(pipe, samples: list[Sample], grid: list[RunConfig], out_path: Pat
     model, and each record the model's one-row step (``modeled_step_ms``): the report turns them
     into a modeled speedup over ``ar``."""
     configs = [c for c in grid if c.temperature == 0 and c.method not in PEERS and c.method != "ar"]
-    others = [c for c in configs if make_builder(c.method, c.tree_settings()).proposer != "drafter"]
-    if others:  # replay reruns the drafter alone on the known answer; the n-gram proposals are decoded
-        print(f"replay leaves out {', '.join(sorted({c.label for c in others}))} (only the drafter is replayed; "
-              "run them without --replay)", file=sys.stderr)
-        configs = [c for c in configs if c not in others]
     out_path.parent.mkdir(parents=True, exist_ok=True)
     records = read_records(out_path)
     done = {(r["dataset"], r["sample_id"], r["key"]) for r in records}
     todo = [s for s in samples if any((s.dataset, s.sample_id, c.key) not in done for c in configs)]
     stop = pipe.default_stop_ids()
     builders = {c.key: make_builder(c.method, c.tree_settings()) for c in configs}
-    policies = {c.key: BudgetPolicy(cost, max_depth=pipe.proposer.num_depths) for c in configs if c.budget == "auto"}
+    policies = {c.key: BudgetPolicy(cost.for_proposer(builders[c.key].proposer), max_depth=replay_depths(pipe))
+                for c in configs if c.budget == "auto"}
     require(cost is not None or not policies, "replaying budget 'auto' needs a cost model")
     # The greedy tokens are the expensive part (a full ar run): keep them, so further grids on the
     # same prompts (ablations) reuse them.

@@ -69,7 +69,7 @@ def add_tree_args(p: argparse.ArgumentParser) -> None:
         name, meta = setting.name, setting.metadata
         readers = ", ".join(m for m, b in BUILDERS.items() if name in b.settings_read())
         g.add_argument(*meta["flags"], dest=name, type=_argument_type(setting), default=setting.default,
-                       help=f"{meta['help']} ({readers}; default {setting.default})")
+                       help=f"{meta['help']} ({readers}; default {_shown(setting.default)})")
     add_retired_flags(p, TreeSettings)
 
 
@@ -110,6 +110,11 @@ def add_retired_flags(p: argparse.ArgumentParser, declared, suffix: str = "", ex
                            note=RETIRED_NOTES.get(old, ""))
         except argparse.ArgumentError:  # the flag belongs to a current setting of this command
             continue
+
+
+def _shown(value) -> str:
+    """A default as the command line writes it (a switch: on/off)."""
+    return ("on" if value else "off") if isinstance(value, bool) else str(value)
 
 
 def _argument_type(setting):

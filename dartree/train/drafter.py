@@ -643,7 +643,8 @@ class Trainer:
             self._eval_pipe = Pipeline(target, drafter, self.tokenizer, cost_model=None)
         pipe = self._eval_pipe
         pipe.drafter.load_state_dict(self.model.state_dict())
-        builder = {"dartree": DARTreeBuilder(TreeSettings(budget=self.cfg.eval_tree_budget))}
+        # the drafter's own tree (no n-gram branches): what training changes
+        builder = {"dartree": DARTreeBuilder(TreeSettings(budget=self.cfg.eval_tree_budget, ngram=False))}
         tau = replay_tau_by_category(pipe, self.replay_items(), builder, self.cfg.eval_new_tokens,
                                      self.out / "heldout-greedy.jsonl")["dartree"]
         key = f"replay_tau_dartree_b{self.cfg.eval_tree_budget}"

@@ -90,7 +90,8 @@ class TreeSettings:
     beta: float = _setting(-0.2, "depth bonus of the final top-B, must be <= 0", ("--beta",), "beta", "beta", float)
     max_budget: int = _setting(64, "with --budget auto: the largest tree built each round", ("--max-budget",), "max_budget",
                                "max")
-    ngram: bool = _setting(False, "dartree: merge the n-gram proposer's continuations of the text's repeated suffix into "
+    # on: measured better on every held-out category and in wall clock (docs/results/lean-round); off: the drafter's tree alone
+    ngram: bool = _setting(True, "dartree: merge the n-gram proposer's continuations of the text's repeated suffix into "
                            "the drafter's tree before its global top-B (on/off)", ("--ngram",), "ngram", "ngram", parse_switch)
 
     @classmethod
