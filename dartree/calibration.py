@@ -55,7 +55,7 @@ def identity(target, proposer=None) -> dict:
         "forward": target.name,  # which forward (targets/)
         "kernels": kernels.build_dir().name,  # the lean kernels' source and build: changed kernels, new times
         "quant_kernels": quant.build_dir().name,  # the same for the integer products
-        "tree_kernels": kernels.extension_dir(grow_kernel.SOURCE, "tree_kernels").name,  # and the tree grower
+        "tree_kernels": grow_kernel.build_dir().name,  # and the tree grower
         "threads": torch.get_num_threads(),
         "machine": describe_machine(),
         "version": COST_MODEL_VERSION,

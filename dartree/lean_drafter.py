@@ -11,7 +11,7 @@ batched call runs every product once over all requests' rows and the attention p
 The drafter only steers which tokens are tried, so its arithmetic never touches the output's
 exactness; it is still deterministic and row-invariant (a request's draft has the same bits alone
 or batched), and it stays close to ``DrafterModel.forward`` (tests/test_lean_drafter.py bounds the
-difference and checks the held-out acceptance it gives).
+difference; docs/results/lean-round measures the held-out acceptance it gives).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from .drafter import DrafterModel, rope_cos_sin
 
 # How the drafter's products run: "q8_0" (weights quantised per block of 32 at load, integer
 # products, csrc/quant_kernels.cpp) or "float32" (the lean kernels' fp32 products). Measured on an
-# AMD EPYC Zen 4 (2 threads): a steady one-request call 0.77 ms on q8_0 against 1.12 ms on float32
-# (docs/results/lean-round/README.md); the held-out acceptance is the same within 0.01.
+# AMD EPYC Zen 4 (2 threads, scripts/time_lean_round.py): a steady one-request call 1.03 ms on q8_0
+# against 2.35 ms on float32; the held-out acceptance is the same within 0.01 (docs/results/lean-round).
 DRAFTER_PRODUCTS = ("q8_0", "float32")
 
 
@@ -140,12 +140,13 @@ def lean_draft_forward(weights: LeanDrafterWeights, stores: list, block_embeds: 
     ext, w = weights._ext, weights
     requests, q_len, hidden = block_embeds.shape
     new = [s.shape[0] for s in tapped_states]
-    for store, n, start in zip(stores, new, starts):
+    for store, start in zip(stores, starts):
         store.reserve(start + q_len)
+    has_context = sum(new) > 0
     zero = torch.zeros(q_len, dtype=torch.long)
     every = torch.ones(q_len, q_len, dtype=torch.uint8)
     # context rows: fused once, their K/V written into each request's store at their positions
-    if sum(new):
+    if has_context:
         states = torch.cat(tapped_states) if requests > 1 else tapped_states[0]
         ctx = ext.rmsnorm(w.product(states.to(torch.float32).contiguous(), w.fc), w.hidden_norm, w.eps)
         ctx_pos = torch.cat([torch.arange(s - n, s) for s, n in zip(starts, new)])
@@ -154,7 +155,7 @@ def lean_draft_forward(weights: LeanDrafterWeights, stores: list, block_embeds: 
     cos_b, sin_b = w.rope(block_pos)
     x = block_embeds.reshape(requests * q_len, hidden).to(torch.float32).contiguous()
     for i, layer in enumerate(w.layers):
-        if sum(new):
+        if has_context:
             kv = w.product(ctx, layer.kv)
             row = 0
             for store, n, start in zip(stores, new, starts):

@@ -132,13 +132,17 @@ def test_a_long_prompt_is_prefilled_in_chunks_beside_decoding_requests(lean_pipe
     assert long.output == ref_long and short.output == ref_short
 
 
-def test_a_request_that_fails_ends_alone_and_the_others_go_on(lean_pipe):
-    pipe = lean_pipe
+def _two_good_and_one_bad(pipe):
+    """``dartree`` requests of one prompt on a 3-request engine: its greedy tokens, the engine, two
+    requests to leave intact and one to break."""
     settings_ = _settings({"method": "dartree", "budget": 8, "seed": 0, "max_new_tokens": 10, "temperature": 0.0})
     ref = pipe.generate(input_ids=[3, 1], settings=settings_, stop_token_ids=[]).token_ids
-    engine = pipe.engine(3)
     good = [pipe.request(torch.tensor([3, 1]), settings_, [], alone=False) for _ in range(2)]
-    bad = pipe.request(torch.tensor([3, 1]), settings_, [], alone=False)
+    return ref, pipe.engine(3), good, pipe.request(torch.tensor([3, 1]), settings_, [], alone=False)
+
+
+def test_a_request_that_fails_ends_alone_and_the_others_go_on(lean_pipe):
+    ref, engine, good, bad = _two_good_and_one_bad(lean_pipe)
 
     class BrokenCache(DrafterCache):  # every drafter call of this request fails, alone or batched
         @property
@@ -157,12 +161,7 @@ def test_a_batched_proposer_call_that_fails_is_retried_alone_and_only_its_reques
     """A request whose drafter works on its first call (alone) and breaks once batched: the batch's call
     fails, each request is proposed for again alone with the states it had not read, and only the
     broken one ends."""
-    pipe = lean_pipe
-    settings_ = _settings({"method": "dartree", "budget": 8, "seed": 0, "max_new_tokens": 10, "temperature": 0.0})
-    ref = pipe.generate(input_ids=[3, 1], settings=settings_, stop_token_ids=[]).token_ids
-    engine = pipe.engine(3)
-    good = [pipe.request(torch.tensor([3, 1]), settings_, [], alone=False) for _ in range(2)]
-    bad = pipe.request(torch.tensor([3, 1]), settings_, [], alone=False)
+    ref, engine, good, bad = _two_good_and_one_bad(lean_pipe)
 
     class BreaksOnceFilled(DrafterCache):
         @property

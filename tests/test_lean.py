@@ -321,7 +321,7 @@ def test_every_instruction_set_path_gives_the_same_bits(variant):
 
 
 @pytest.mark.parametrize("hd", [64, 128])
-def test_attention_of_rows_taken_together_gives_each_row_its_bits_alone(hd, monkeypatch):
+def test_attention_of_rows_taken_together_gives_each_row_its_bits_alone(hd):
     """Rows that share a slot and a committed length (a tree's, a prompt chunk's) are attended
     together (each key and value read once for all of them, AVX-512): every row gets the bits of the
     per-query path and of its own call alone, whatever the runs, their lengths and what each row sees."""
@@ -338,6 +338,8 @@ def test_attention_of_rows_taken_together_gives_each_row_its_bits_alone(hd, monk
         for r in range(slots.numel()):
             alone = ext.attention(q[r:r + 1], k, v, slots[r:r + 1], past[r:r + 1], visible[r:r + 1].contiguous(), nh, hd ** -0.5)
             assert torch.equal(together[r:r + 1], alone), (runs, r)
-        monkeypatch.setenv("DARTREE_ATTENTION_PER_QUERY", "1")
-        assert torch.equal(ext.attention(q, k, v, slots, past, visible, nh, hd ** -0.5), together), runs
-        monkeypatch.delenv("DARTREE_ATTENTION_PER_QUERY")
+        ext.set_grouped_attention(False)
+        try:
+            assert torch.equal(ext.attention(q, k, v, slots, past, visible, nh, hd ** -0.5), together), runs
+        finally:
+            ext.set_grouped_attention(True)

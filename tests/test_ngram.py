@@ -14,18 +14,11 @@ def seen(proposer, tokens):
     return proposer
 
 
-def paths(tree: DraftTree) -> list[tuple[int, ...]]:
-    out = []
-    for parent, token in zip(tree.parents.tolist(), tree.tokens.tolist()):
-        out.append((out[parent - 1] if parent > 0 else ()) + (token,))
-    return out
-
-
 def test_the_longest_repeated_suffix_gives_every_recent_continuation_as_branches():
     p = seen(NgramProposer(), [5, 1, 2, 3, 9, 1, 2, 4, 4, 7, 1])
     assert isinstance(p, Proposer)
     tree = p.propose(2)  # the text ends "1 2": it was followed by "3 9 ..." and by "4 4 7 1 2"
-    got = set(paths(tree))
+    got = tree.paths()
     assert (3,) in got and (4,) in got and (3, 9) in got and (4, 4, 7, 1, 2) in got
     assert len(got) == len(tree)  # shared prefixes are one node
     assert max(len(x) for x in got) <= NgramProposer.num_depths
@@ -42,7 +35,7 @@ def test_the_longest_repeated_suffix_gives_every_recent_continuation_as_branches
 def test_the_chain_variant_takes_the_latest_occurrence_only():
     p = seen(NgramChainProposer(), [5, 1, 2, 3, 9, 1, 2, 4, 4, 7, 1])
     tree = p.propose(2)
-    assert paths(tree)[-1] == (4, 4, 7, 1, 2) and len(tree) == 5  # one chain
+    assert tree.node_paths()[-1] == (4, 4, 7, 1, 2) and len(tree) == 5  # one chain
 
 
 def test_nothing_seen_before_proposes_nothing():
@@ -118,14 +111,14 @@ def test_merged_trees_keep_every_path_once_with_its_best_score_and_a_valid_ranki
     a = ranked([5, 6, 7], [0, 1, 0], [-0.1, -0.5, -2.0])   # 5, 5-6, 7
     b = ranked([5, 8, 6], [0, 1, 1], [-0.3, -0.2, -0.4])   # 5, 5-8, 5-6
     merged = merge_ranked([a, b], budget=10, beta=0.0)
-    got = dict(zip(paths(merged), merged.log_probs.tolist()))
+    got = dict(zip(merged.node_paths(), merged.log_probs.tolist()))
     assert got == {(5,): -0.1, (5, 6): -0.4, (5, 8): -0.2, (7,): -2.0}
     parents, placed = merged.parents.tolist(), set()
     for node in merged.rank.tolist():
         assert parents[node] == 0 or parents[node] - 1 in placed
         placed.add(node)
     top2 = merge_ranked([a, b], budget=2, beta=0.0)
-    assert set(paths(top2)) == {(5,), (5, 8)}  # one top-B over both sources
+    assert top2.paths() == {(5,), (5, 8)}  # one top-B over both sources
 
 
 def test_the_ngram_setting_is_validated_and_read_by_dartree_only():

@@ -12,7 +12,6 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
-#include <cstdlib>
 #include <cstdint>
 #include <cstring>
 #include <iterator>
@@ -670,6 +669,11 @@ torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
   return q;
 }
 
+// Whether attention takes the queries that share a cache together (the per-query path stays for the
+// tests that compare the two; both give the same bits)
+bool grouped_attention = true;
+void set_grouped_attention(bool on) { grouped_attention = on; }
+
 #if defined(__AVX512F__)
 // attention for float with head_dim 16 C, queries taken together: one task holds up to 24 / C (row, head)
 // queries that share a slot, a committed length p and a KV head (a tree's rows, a prompt chunk's), so each
@@ -785,7 +789,7 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor kcache, torch::Tensor vca
   const uint8_t* vis = visible.data_ptr<uint8_t>();
   for (int64_t r = 0; r < M; ++r) TORCH_CHECK(pp[r] >= 0 && pp[r] + W <= T && sp[r] >= 0 && sp[r] < kcache.size(0), "attention: row outside the cache");
 #if defined(__AVX512F__)
-  if (q.scalar_type() == torch::kFloat && (hd == 64 || hd == 128) && !std::getenv("DARTREE_ATTENTION_PER_QUERY")) {
+  if (q.scalar_type() == torch::kFloat && (hd == 64 || hd == 128) && grouped_attention) {
     const float *qp = q.data_ptr<float>(), *kc = kcache.data_ptr<float>(), *vc = vcache.data_ptr<float>();
     if (hd == 64) attention_grouped<4>(qp, kc, vc, out.data_ptr<float>(), sp, pp, vis, M, nh, nkv, T, W, float(scale));
     else attention_grouped<8>(qp, kc, vc, out.data_ptr<float>(), sp, pp, vis, M, nh, nkv, T, W, float(scale));
@@ -868,6 +872,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rmsnorm", &rmsnorm, "RMSNorm over the last dimension, row-invariant", release());
   m.def("rope_store", &rope_store, "RoPE on q and k, k and v written to the KV cache", release());
   m.def("attention", &attention, "attention over a slot's cache with per-row visibility, row-invariant", release());
+  m.def("set_grouped_attention", &set_grouped_attention, "attention of queries sharing a cache together (default) or one by one");
   m.def("swiglu", &swiglu, "silu(gate) * up", release());
   m.def("built_with_openmp", &built_with_openmp, "whether the kernels split their work over torch's threads");
 }

@@ -44,8 +44,8 @@ class AcceptanceRates:
     def bucket(match: int, count: int, share: float) -> tuple:
         return (match, min(count, 3), share >= 1.0)
 
-    def probability(self, match: int, count: int, share: float) -> float:
-        key = self.bucket(match, count, share)
+    def probability(self, key: tuple, share: float) -> float:
+        """The estimate for a node of bucket ``key`` holding ``share`` of its parent's occurrences."""
         prior = self.prior_scale * share
         p = (self.accepted.get(key, 0.0) + self.prior_weight * prior) / (self.tested.get(key, 0.0) + self.prior_weight)
         return min(max(p, 1e-4), 0.999)
@@ -94,10 +94,7 @@ class NgramProposer:
         if not self._features or not len(tree):
             return
         kept = set(accepted)
-        paths: list[tuple[int, ...]] = []
-        for parent, token in zip(tree.parents.tolist(), tree.tokens.tolist()):
-            paths.append((paths[parent - 1] if parent > 0 else ()) + (token,))
-        for row, (parent, path) in enumerate(zip(tree.parents.tolist(), paths), start=1):
+        for row, (parent, path) in enumerate(zip(tree.parents.tolist(), tree.node_paths()), start=1):
             key = self._features.get(path)
             if key is not None and parent in kept:
                 self.rates.learn(key, row in kept)
@@ -134,9 +131,10 @@ class NgramProposer:
         for path in order:
             parent = path[:-1]
             through = children[path]
-            share = through / (children[parent] if parent else len(continuations))
-            key = AcceptanceRates.bucket(match, through, share if siblings[parent] > 1 else 1.0)
-            p = self.rates.probability(match, through, share if siblings[parent] > 1 else 1.0)
+            # a sole continuation counts as the whole share (the occurrences that stop short do not lower it)
+            share = through / (children[parent] if parent else len(continuations)) if siblings[parent] > 1 else 1.0
+            key = AcceptanceRates.bucket(match, through, share)
+            p = self.rates.probability(key, share)
             self._features[path] = key
             row_of[path] = len(tokens) + 1
             tokens.append(path[-1])

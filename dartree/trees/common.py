@@ -97,10 +97,8 @@ def merge_ranked(trees: list[DraftTree], budget: int, beta: float = 0.0) -> Draf
     does their maximum), and the best ``budget`` of the union are kept: one global top-B over every source."""
     best: dict[tuple[int, ...], float] = {}
     for tree in trees:
-        paths: list[tuple[int, ...]] = []
-        for parent, token, lp in zip(tree.parents.tolist(), tree.tokens.tolist(), tree.log_probs.tolist()):
-            paths.append((paths[parent - 1] if parent > 0 else ()) + (token,))
-            best[paths[-1]] = max(best.get(paths[-1], -math.inf), lp)
+        for path, lp in zip(tree.node_paths(), tree.log_probs.tolist()):
+            best[path] = max(best.get(path, -math.inf), lp)
     order = sorted(best, key=len)  # parents before children (stable: each tree's own order within a depth)
     row = {path: i + 1 for i, path in enumerate(order)}
     device = trees[0].tokens.device if trees else "cpu"

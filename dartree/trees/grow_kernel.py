@@ -28,6 +28,10 @@ NO_HEAD, DOMINO, MARKOV = 0, 1, 2
 MAX_TABLE_BYTES = 64 << 20  # a head's token table above this (a full 150k vocabulary) keeps the Python grower
 
 
+def build_dir() -> Path:
+    return kernels.extension_dir(SOURCE, "tree_kernels")
+
+
 @functools.lru_cache(maxsize=1)
 def load():
     return kernels.build_extension(SOURCE, "tree_kernels", "dartree_tree_kernels", "the tree builders' kernels")

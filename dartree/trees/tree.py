@@ -37,13 +37,16 @@ class DraftTree:
     def __len__(self) -> int:
         return self.tokens.numel()
 
+    def node_paths(self) -> list[tuple[int, ...]]:
+        """Each node's root-to-node token path, in node order."""
+        found: list[tuple[int, ...]] = []
+        for p, t in zip(self.parents.tolist(), self.tokens.tolist()):
+            found.append((found[p - 1] if p > 0 else ()) + (t,))
+        return found
+
     def paths(self) -> set[tuple[int, ...]]:
         """Root-to-node token paths: a numbering-free description of the tree."""
-        parents, tokens = self.parents.tolist(), self.tokens.tolist()
-        found: list[tuple[int, ...]] = []
-        for p, t in zip(parents, tokens):
-            found.append((found[p - 1] if p > 0 else ()) + (t,))
-        return set(found)
+        return set(self.node_paths())
 
     def rows(self, root: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens and depths of the verification batch: row 0 is the root (depth 0), row i+1 node i."""
