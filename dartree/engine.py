@@ -154,6 +154,8 @@ class Request:
         if self.policy is not None:
             self.policy.hand_back()
         self.output = truncate(self.output, self.max_new_tokens, self.stop_ids)
+        if reason in (FINISH_STOP, FINISH_LENGTH) and hasattr(self.proposer, "finish"):  # a finished answer, shared where asked
+            self.proposer.finish(self.prompt_ids.tolist(), self.output)
         self.stats.new_tokens = len(self.output)
         self.stats.rounds = len(self.stats.acceptance_lengths)
         if self.decode_start is not None:

@@ -20,6 +20,7 @@ from .loading import check_pair, cpu_products, load_drafter, load_target, load_t
 from .prompts import chat_token_ids
 from .settings import GenerationSettings
 from .proposers import Proposer, make_proposer
+from .proposers.suffix_cache import SuffixCache
 from .trees.grow_kernel import head_tables
 from .targets import WEIGHTS, check_context_length, make_target, unsupported_reason
 from .trees import available_methods
@@ -66,6 +67,7 @@ class Pipeline:
         self.head = None
         self._cost_model: CostModel | None = None
         self._policies: dict[tuple, BudgetPolicy] = {}
+        self.suffix_cache: SuffixCache | None = None  # earlier answers for the n-gram proposer (use_suffix_cache)
         if drafter is not None:
             self.head = drafter.head
             if self.head is not None:
@@ -81,6 +83,14 @@ class Pipeline:
         elif cost_model is not None:
             require(isinstance(cost_model, CostModel), f"cost_model must be 'auto', a CostModel or None, got {cost_model!r}")
             self.use_cost_model(cost_model)
+
+    def use_suffix_cache(self, megabytes: float | None) -> "SuffixCache | None":
+        """Share earlier answers with the n-gram proposer of every later request (``ngram``, ``ngram-chain``
+        and ``dartree`` with ``ngram`` on): a cache of about ``megabytes`` MB, least recently used out;
+        None or 0 turns it off. The output is unchanged (lossless); the acceptance, and so a request's
+        speed, then depends on what earlier requests answered."""
+        self.suffix_cache = SuffixCache(megabytes) if megabytes else None
+        return self.suffix_cache
 
     def check_request(self, ids: torch.Tensor, settings: GenerationSettings) -> None:
         """The checks a validated ``settings`` still needs against this pipeline: the method is
@@ -120,9 +130,12 @@ class Pipeline:
         key = (settings.method, settings.tree, settings.temperature > 0)
         if key not in self._policies:
             proposer = settings.builder().proposer
-            depth = self.proposer.num_depths if proposer == "drafter" else make_proposer(proposer, self).num_depths
-            self._policies[key] = BudgetPolicy(self.cost_model().for_proposer(proposer), max_depth=depth)
+            self._policies[key] = BudgetPolicy(self.cost_model().for_proposer(proposer), max_depth=self.proposal_depth(proposer))
         return self._policies[key]
+
+    def proposal_depth(self, proposer: str) -> int:
+        """How deep the proposals of proposer ``proposer`` (a registered name) reach: the budget policy's depth."""
+        return self.proposer.num_depths if proposer == "drafter" else make_proposer(proposer, self).num_depths
 
     def request(self, ids: torch.Tensor, settings: GenerationSettings, stop_token_ids: list[int] | None = None,
                 on_tokens=None, cancelled=None, alone: bool = True) -> Request:

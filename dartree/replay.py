@@ -40,8 +40,9 @@ from .verify import Sampler
 
 
 def replay_depths(pipe) -> int:
-    """D: how deep a round's proposals reach (the drafter's block, else the n-gram proposer's)."""
-    return pipe.proposer.num_depths if pipe.proposer is not None else NgramProposer.num_depths
+    """D: how deep any round's proposals can reach (the drafter's block or the n-gram proposer's
+    continuations, whichever is deeper): replay needs the greedy tokens that far past a round's bonus."""
+    return max(NgramProposer.num_depths, pipe.proposer.num_depths if pipe.proposer is not None else 0)
 
 
 @torch.no_grad()

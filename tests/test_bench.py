@@ -39,14 +39,17 @@ def test_grid_puts_ar_first_and_settings_where_used():
     grid = build_grid(["dartree", "dflash", "ddtree", "hf-generate"], [0.0, 1.0], [8, 16, "auto"], width=[4, 12])
     assert grid[0].method == "ar"
     assert {g.key for g in grid if g.method == "dartree" and g.temperature == 0} == {
-        "dartree|T=0|B=8|W=4|K=64|beta=-0.2", "dartree|T=0|B=8|W=12|K=64|beta=-0.2",
-        "dartree|T=0|B=16|W=4|K=64|beta=-0.2", "dartree|T=0|B=16|W=12|K=64|beta=-0.2",
-        "dartree|T=0|B=auto|W=4|K=64|beta=-0.2|max=64", "dartree|T=0|B=auto|W=12|K=64|beta=-0.2|max=64"}
+        "dartree|T=0|B=8|W=4|K=64|beta=-0.2|ngram=on", "dartree|T=0|B=8|W=12|K=64|beta=-0.2|ngram=on",
+        "dartree|T=0|B=16|W=4|K=64|beta=-0.2|ngram=on", "dartree|T=0|B=16|W=12|K=64|beta=-0.2|ngram=on",
+        "dartree|T=0|B=auto|W=4|K=64|beta=-0.2|max=64|ngram=on", "dartree|T=0|B=auto|W=12|K=64|beta=-0.2|max=64|ngram=on"}
     # the settings a configuration carries are those its method reads, max_budget only with budget auto
     assert {g.key for g in grid if g.method == "ddtree" and g.temperature == 0} == {"ddtree|T=0|B=8", "ddtree|T=0|B=16", "ddtree|T=0|B=auto|max=64"}
-    auto = next(g for g in grid if g.key == "dartree|T=0|B=auto|W=12|K=64|beta=-0.2|max=64")
+    auto = next(g for g in grid if g.key == "dartree|T=0|B=auto|W=12|K=64|beta=-0.2|max=64|ngram=on")
     assert auto.tree_settings() == TreeSettings(budget="auto", width=12) and RunConfig.from_record(
         {**dataclasses.asdict(auto), "key": auto.key}) == auto
+    # a record written before the ngram switch existed ran with it off
+    older = {k: v for k, v in dataclasses.asdict(auto).items() if k != "ngram"}
+    assert RunConfig.from_record(older).ngram is False and RunConfig.from_record(older).key.endswith("max=64")
     assert build_grid(["dartree"], [0.0], [32], max_budget=[128]) == build_grid(["dartree"], [0.0], [32])  # not read at B=32
     with pytest.raises(DartreeError, match="unknown tree setting"):
         build_grid(["dartree"], [0.0], [4], widths=[4])
@@ -85,7 +88,7 @@ def test_run_resumes_compares_with_ar_and_reports(tiny_pipe, tmp_path):
     assert all(r["same_as_ar"] and "matches_ar" not in r for r in t0 if r["method"].startswith("hf-"))
     assert all(len(r["turns"]) == 2 for r in records if r["dataset"] == "mt-bench")
     summaries = {(s.dataset, s.key): s for s in summarise(records)}
-    s = summaries[("gsm8k", "dartree|T=0|B=4|W=12|K=64|beta=-0.2")]
+    s = summaries[("gsm8k", "dartree|T=0|B=4|W=12|K=64|beta=-0.2|ngram=on")]
     assert s.samples == 2 and s.tau_macro >= 1 and s.speedup_vs_ar is not None and s.speedup_vs_hf is not None
     assert summaries[("gsm8k", "ar|T=0")].speedup_vs_ar == pytest.approx(1.0)
     report = build_report(tmp_path)
@@ -125,7 +128,7 @@ def test_replay_records_equal_decoded_acceptance_lengths(tiny_pipe, tmp_path, mo
     assert {r["target"] for r in decoded.values() if r["method"] == "hf-generate"} == {"hf-generate"}
     text = build_report(tmp_path / "replay").read_text()
     assert "exact replay" in text and "speedup" not in text.split("###")[0]  # no wall-clock in replay
-    assert "| dartree B=8 W=12 K=64 beta=-0.2 |" in text  # labels never split a markdown cell
+    assert "| dartree B=8 W=12 K=64 beta=-0.2 ngram=on |" in text  # labels never split a markdown cell
     assert (tmp_path / "replay" / "tau_vs_budget.png").is_file()
     assert not (tmp_path / "replay" / "speedup_vs_budget.png").exists()
 
@@ -167,7 +170,7 @@ def test_records_written_before_tree_top_k_was_named_so_read_and_report_the_same
     samples = select(load_samples("gsm8k"), 1)
     grid = build_grid(["dartree"], [0.0], [4], tree_top_k=[8])
     cfg = grid[-1]
-    assert cfg.tree_top_k == 8 and cfg.key == "dartree|T=0|B=4|W=12|K=8|beta=-0.2"
+    assert cfg.tree_top_k == 8 and cfg.key == "dartree|T=0|B=4|W=12|K=8|beta=-0.2|ngram=on"
     run(tiny_pipe, samples, grid, tmp_path / "new" / "records.jsonl", max_new_tokens=4)
     records = read_records(tmp_path / "new" / "records.jsonl")
     assert all("tree_top_k" in r and "top_k" not in r for r in records)
@@ -223,14 +226,14 @@ def test_replay_with_a_cost_model_reports_modeled_speedups(tiny_dirs, tmp_path, 
     out = tmp_path / "modeled"
     assert main(common + ["--budgets", "auto,4", "--cost-model", str(cost_file), "--out", str(out)]) == 0
     records = read_records(out / "records.jsonl")
-    assert {r["key"] for r in records} == {"dflash|T=0|float64", "dartree|T=0|B=4|W=12|K=64|beta=-0.2|float64",
-                                           "dartree|T=0|B=auto|W=12|K=64|beta=-0.2|max=64|float64"}
+    assert {r["key"] for r in records} == {"dflash|T=0|float64", "dartree|T=0|B=4|W=12|K=64|beta=-0.2|ngram=on|float64",
+                                           "dartree|T=0|B=auto|W=12|K=64|beta=-0.2|max=64|ngram=on|float64"}
     for r in records:
         assert r["modeled_step_ms"] == 10.0 and r["cost_model"]["dtype"] == "bfloat16"
         for t in r["turns"]:  # at least a plain step's time per committed token's round, at most every round drafted at B=64
             assert 10.0 * len(t["acceptance_lengths"]) <= t["modeled_ms"] <= cost.round_ms(64) * len(t["acceptance_lengths"])
     summaries = {s.key: s for s in summarise(records)}
-    fixed = summaries["dartree|T=0|B=4|W=12|K=64|beta=-0.2|float64"]
+    fixed = summaries["dartree|T=0|B=4|W=12|K=64|beta=-0.2|ngram=on|float64"]
     new = sum(t["new_tokens"] for r in records if r["key"] == fixed.key for t in r["turns"])
     ms = sum(t["modeled_ms"] for r in records if r["key"] == fixed.key for t in r["turns"])
     assert fixed.modeled_speedup == pytest.approx(new * 10.0 / ms)
@@ -270,8 +273,8 @@ def test_a_run_can_cross_dtypes_each_against_its_own_ar(tiny_dirs, tmp_path):
     before dtypes were crossed (old records resume); each 16-bit run is compared with ar of its own
     dtype and with float32 ar, and the report shows both speedups."""
     grid = build_grid(["dartree", "hf-generate"], [0.0], [4], dtypes=["float32", "bfloat16"])
-    assert [g.key for g in grid] == ["ar|T=0", "dartree|T=0|B=4|W=12|K=64|beta=-0.2", "hf-generate|T=0",
-                                     "ar|T=0|bfloat16", "dartree|T=0|B=4|W=12|K=64|beta=-0.2|bfloat16", "hf-generate|T=0|bfloat16"]
+    assert [g.key for g in grid] == ["ar|T=0", "dartree|T=0|B=4|W=12|K=64|beta=-0.2|ngram=on", "hf-generate|T=0",
+                                     "ar|T=0|bfloat16", "dartree|T=0|B=4|W=12|K=64|beta=-0.2|ngram=on|bfloat16", "hf-generate|T=0|bfloat16"]
     assert build_grid(["dartree"], [0.0], [4]) == [g for g in grid if g.dtype == "float32" and g.method != "hf-generate"]
     pipes = {d: dartree.load(*tiny_dirs, dtype=d) for d in ("float32", "bfloat16")}
     samples = select(load_samples("gsm8k"), 2)

@@ -141,6 +141,11 @@ def _two_good_and_one_bad(pipe):
     return ref, pipe.engine(3), good, pipe.request(torch.tensor([3, 1]), settings_, [], alone=False)
 
 
+def _drafter_proposer(request):
+    """The request's drafter proposer, inside the drafter + n-gram pair where ``ngram`` is on."""
+    return getattr(request.proposer, "drafter", request.proposer)
+
+
 def test_a_request_that_fails_ends_alone_and_the_others_go_on(lean_pipe):
     ref, engine, good, bad = _two_good_and_one_bad(lean_pipe)
 
@@ -149,7 +154,8 @@ def test_a_request_that_fails_ends_alone_and_the_others_go_on(lean_pipe):
         def length(self):
             raise RuntimeError("drafter broke")
 
-    bad.proposer.reset = lambda: setattr(bad.proposer, "cache", BrokenCache(1))
+    drafter = _drafter_proposer(bad)
+    drafter.reset = lambda: setattr(drafter, "cache", BrokenCache(1))
     for r in (good[0], bad, good[1]):
         engine.submit(r)
     engine.run()
@@ -170,7 +176,8 @@ def test_a_batched_proposer_call_that_fails_is_retried_alone_and_only_its_reques
                 raise RuntimeError("drafter broke")
             return 0
 
-    bad.proposer.reset = lambda: (setattr(bad.proposer, "cache", BreaksOnceFilled(1)), setattr(bad.proposer, "unread", []))
+    drafter = _drafter_proposer(bad)
+    drafter.reset = lambda: (setattr(drafter, "cache", BreaksOnceFilled(1)), setattr(drafter, "unread", []))
     for r in (good[0], bad, good[1]):
         engine.submit(r)
     engine.run()

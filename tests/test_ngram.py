@@ -130,7 +130,8 @@ def test_the_ngram_setting_is_validated_and_read_by_dartree_only():
     with pytest.raises(DartreeError, match="ngram must be on or off"):
         TreeSettings(ngram="maybe").validate()
     assert make_builder("dartree", TreeSettings(ngram=True)).proposer == "drafter+ngram"
-    assert make_builder("dartree", TreeSettings()).proposer == "drafter"
+    assert make_builder("dartree", TreeSettings()).proposer == "drafter+ngram"  # on by default
+    assert make_builder("dartree", TreeSettings(ngram=False)).proposer == "drafter"
 
 
 def test_dartree_with_ngram_merged_reproduces_greedy_decoding(pipelines):
@@ -147,3 +148,63 @@ def test_dartree_with_ngram_merged_reproduces_greedy_decoding(pipelines):
             assert got.token_ids == want, budget
             extra += sum(got.stats.acceptance_lengths) - got.stats.rounds
     assert extra > 0
+
+
+def test_the_suffix_cache_proposes_earlier_answers_and_evicts_the_least_recently_used():
+    from dartree.proposers.suffix_cache import SuffixCache
+
+    cache = SuffixCache(1.0)
+    cache.capacity_tokens = 30  # three answers of ten tokens (with their prompt tails)
+    cache.add([9, 9, 1, 2], [3, 4, 5, 6, 50, 51])
+    cache.add([9, 9, 1, 2], [3, 4, 7, 8, 60, 61])
+    p = seen(NgramProposer(shared=cache), [20, 21, 1, 2])
+    tree = p.propose(3)  # "1 2 3" was followed by "4 5 ..." and "4 7 ..." in earlier answers
+    assert (4, 7, 8, 60, 61) in tree.paths() and (4, 5, 6, 50, 51) in tree.paths()
+    assert seen(NgramProposer(), [20, 21, 1, 2]).propose(3).paths() == set()  # without the cache: nothing
+    cache.add([0, 0, 0, 0], [70, 71, 72, 73, 74, 75])  # full: 30 tokens
+    cache.continuations([5, 6], 8, 8)  # the first answer is used, so the second is now the oldest
+    cache.add([0, 0, 0, 0], [80, 81, 82, 83, 84, 85])
+    assert cache.continuations([7, 8], 8, 8) == (0, [])  # evicted
+    assert cache.continuations([5, 6], 8, 8) == (2, [[50, 51]]) and cache.tokens == 30
+
+
+def test_the_suffix_cache_stays_within_its_megabytes():
+    import random
+    import tracemalloc
+
+    from dartree.proposers.suffix_cache import SuffixCache
+
+    rng = random.Random(0)
+    answers = [[rng.randrange(49152) for _ in range(96)] for _ in range(200)]  # every n-gram new: the worst case
+    tracemalloc.start()
+    try:
+        cache = SuffixCache(0.5)
+        for a in answers * 2:
+            cache.add([1, 2, 3, 4], a)
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert cache.tokens <= cache.capacity_tokens and len(cache.entries) < len(answers)  # it did evict
+    assert held <= 0.5 * 2**20, held
+
+
+def test_a_suffix_cache_raises_acceptance_and_leaves_the_output_as_it_was(pipelines):
+    """A later request whose answer repeats an earlier one's accepts more with the cache; every output
+    is greedy decoding's, with or without it."""
+    pipe = pipelines[("llama", "domino")]
+    rng = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(VOCAB, (5,), generator=rng).tolist() for _ in range(6)]
+    accepted = {}
+    try:
+        for cache_mb in (None, 1.0):
+            pipe.use_suffix_cache(cache_mb)
+            accepted[cache_mb] = 0
+            for prompt in prompts:
+                want = hf_greedy(pipe.target_model, prompt, 24)
+                pipe.generate(input_ids=prompt, method="ngram", max_new_tokens=24, stop_token_ids=[])  # seen once
+                got = pipe.generate(input_ids=prompt, method="ngram", budget=16, max_new_tokens=24, stop_token_ids=[])
+                assert got.token_ids == want
+                accepted[cache_mb] += sum(got.stats.acceptance_lengths) - got.stats.rounds
+    finally:
+        pipe.use_suffix_cache(None)
+    assert accepted[1.0] > accepted[None], accepted

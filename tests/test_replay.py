@@ -67,8 +67,8 @@ def test_replayed_auto_budget_makes_the_decoders_choices(pipelines, family, prom
     pipe.use_cost_model(cost)  # a fresh policy on this cost model
     got = pipe.generate(input_ids=prompt, method="dartree", max_new_tokens=max_new, budget="auto", width=3, tree_top_k=8)
     decoded = next(iter(pipe._policies.values()))
-    policy, modeled = BudgetPolicy(cost, max_depth=pipe.proposer.num_depths), {}
     builder = make_builder("dartree", TreeSettings(budget="auto", width=3, tree_top_k=8))
+    policy, modeled = BudgetPolicy(cost, max_depth=pipe.proposal_depth(builder.proposer)), {}
     output, lengths = replay(pipe, pipe.encode(input_ids=prompt), {"auto": builder}, max_new, set(), cost=cost,
                              policies={"auto": policy}, modeled=modeled)
     assert output == got.token_ids
@@ -89,7 +89,7 @@ def test_replayed_auto_budget_covers_both_regimes(pipelines):
     seen = set()
     for per_row, draft_ms in ((0.05, 0.5), (40.0, 5.0)):
         cost = synthetic_cost(10.0, per_row, draft_ms=draft_ms)
-        policy = BudgetPolicy(cost, max_depth=pipe.proposer.num_depths)
+        policy = BudgetPolicy(cost, max_depth=pipe.proposal_depth(builder.proposer))
         for p in range(6):
             replay(pipe, pipe.encode(input_ids=[p, (p + 1) % VOCAB]), {"a": builder}, 30, set(), cost=cost, policies={"a": policy})
         seen |= {min(max(h, 0), 1) for h in policy.history}

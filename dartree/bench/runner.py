@@ -27,7 +27,7 @@ from ..trees import BUILDERS, TreeSettings, make_builder
 from . import llama_cpp
 from .datasets import Sample
 from .records import GreedyAnswers, append_line, read_records
-from ..replay import replay, replay_depths
+from ..replay import replay
 
 HF_PEERS = ("hf-generate", "hf-prompt-lookup")
 PEERS = (*HF_PEERS, *llama_cpp.LLAMA_PEERS)  # other engines decoding the same target, timed beside ours
@@ -64,7 +64,11 @@ class _RunConfigMethods:
         records written before runs crossed dtypes have no ``dtype``: float32; records written before a
         tree setting was renamed carry it under its old name, e.g. ``top_k`` for ``tree_top_k``)."""
         renamed = {new: record[old] for old, new in TreeSettings.retired.items() if old in record and new not in record}
-        record = {**record, **renamed}
+        # records written before a switch existed ran with it off, whatever its default is now
+        reads = getattr(BUILDERS.get(record["method"]), "reads", ())
+        switched_off = {s.name: False for s in TreeSettings.declarations()
+                        if isinstance(s.default, bool) and s.name in reads and s.name not in record}
+        record = {**record, **renamed, **switched_off}
         return cls(**{name: record[name] for name in cls.__dataclass_fields__ if name in record})
 
     def settings(self, max_new_tokens: int, seed: int | None = 0) -> GenerationSettings:
@@ -273,7 +277,8 @@ def run_replay(pipe, samples: list[Sample], grid: list[RunConfig], out_path: Pat
     todo = [s for s in samples if any((s.dataset, s.sample_id, c.key) not in done for c in configs)]
     stop = pipe.default_stop_ids()
     builders = {c.key: make_builder(c.method, c.tree_settings()) for c in configs}
-    policies = {c.key: BudgetPolicy(cost.for_proposer(builders[c.key].proposer), max_depth=replay_depths(pipe))
+    policies = {c.key: BudgetPolicy(cost.for_proposer(builders[c.key].proposer),
+                                         max_depth=pipe.proposal_depth(builders[c.key].proposer))
                 for c in configs if c.budget == "auto"}
     require(cost is not None or not policies, "replaying budget 'auto' needs a cost model")
     # The greedy tokens are the expensive part (a full ar run): keep them, so further grids on the

@@ -18,6 +18,8 @@ A proposer serves ONE request (its own state: a drafter cache, a suffix index, .
 - ``learn(tree, accepted)`` (optional): after a round with its proposal, the tree the target verified
   (its proposal as the method and the budget cut it, target ids) and the rows of the accepted path
   (0 the root): what a proposer that estimates its own acceptance learns from (``ngram``).
+- ``finish(prompt, output)`` (optional): the request ended, with these prompt and output token ids
+  (what the n-gram proposer hands to the server-wide suffix cache).
 
 Attributes: ``name`` (as registered), ``reads_tapped_states`` (the target collects tapped states
 for rounds with such a request), ``head`` (the correction head the tree methods that need one

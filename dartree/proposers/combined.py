@@ -60,6 +60,9 @@ class DraftAndNgramProposer:
     def learn(self, tree: DraftTree, accepted: list[int]) -> None:
         self.ngram.learn(tree, accepted)
 
+    def finish(self, prompt: list[int], output: list[int]) -> None:
+        self.ngram.finish(prompt, output)
+
     @classmethod
     def propose_batch(cls, proposers: list["DraftAndNgramProposer"], bonuses: list[int],
                       positions: list[int]) -> list[DraftAndNgram]:

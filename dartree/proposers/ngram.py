@@ -28,6 +28,7 @@ import torch
 
 from ..trees.tree import DraftTree
 from .base import register
+from .suffix_cache import SuffixCache
 
 
 @dataclass
@@ -41,8 +42,10 @@ class AcceptanceRates:
     tested: dict = field(default_factory=dict)
 
     @staticmethod
-    def bucket(match: int, count: int, share: float) -> tuple:
-        return (match, min(count, 3), share >= 1.0)
+    def bucket(match: int, count: int, share: float, only_cached: bool = False) -> tuple:
+        """A node's features: the match length, the occurrences through it (3 or more alike), whether it
+        is its parent's only continuation and whether only other requests' answers (the suffix cache) lead there."""
+        return (match, min(count, 3), share >= 1.0, only_cached)
 
     def probability(self, key: tuple, share: float) -> float:
         """The estimate for a node of bucket ``key`` holding ``share`` of its parent's occurrences."""
@@ -68,12 +71,13 @@ class NgramProposer:
     max_matches = 8  # the latest occurrences whose continuations become branches
     chain = False
 
-    def __init__(self):
+    def __init__(self, shared: SuffixCache | None = None):
+        self.shared = shared
         self.reset()
 
     @classmethod
     def create(cls, pipeline) -> "NgramProposer":
-        return cls()
+        return cls(shared=getattr(pipeline, "suffix_cache", None))
 
     def reset(self) -> None:
         self.tokens: list[int] = []
@@ -88,6 +92,11 @@ class NgramProposer:
             for n in range(1, min(self.max_match, end) + 1):
                 self.index.setdefault(tuple(self.tokens[end - n:end]), []).append(end)
 
+    def finish(self, prompt: list[int], output: list[int]) -> None:
+        """The request ended: its answer joins the server-wide suffix cache, where there is one."""
+        if self.shared is not None:
+            self.shared.add(prompt, output)
+
     def learn(self, tree: DraftTree, accepted: list[int]) -> None:
         """What the target did with this round's verified tree (``accepted``: the rows of the accepted
         path, 0 the root): every verified node whose parent was accepted was a test of its estimate."""
@@ -100,26 +109,36 @@ class NgramProposer:
                 self.rates.learn(key, row in kept)
         self._features = {}
 
-    def _continuations(self, bonus: int) -> tuple[int, list[list[int]]]:
-        """The longest suffix of the text (bonus included) seen before, and the continuations after
-        its latest occurrences (latest first)."""
+    def _continuations(self, bonus: int) -> tuple[int, list[list[int]], int]:
+        """The longest suffix of the text (bonus included) seen before, the continuations after its
+        latest occurrences (latest first; the request's own, then the suffix cache's where its match
+        is as long) and how many of them are the request's own."""
         history = self.tokens + [bonus]
+        match, own = 0, []
         for n in range(min(self.max_match, len(history)), 0, -1):
             ends = self.index.get(tuple(history[len(history) - n:]))
             if ends:
                 latest = ends[-1:] if self.chain else ends[-self.max_matches:][::-1]
-                found = [history[e:e + self.num_depths] for e in latest]
-                found = [c for c in found if c]
+                found = [c for c in (history[e:e + self.num_depths] for e in latest) if c]
                 if found:
-                    return n, found
-        return 0, []
+                    match, own = n, found
+                    break
+        if self.shared is None or self.chain or len(own) >= self.max_matches:
+            return match, own, len(own)
+        shared_match, cached = self.shared.continuations(history, self.max_matches - len(own), self.num_depths)
+        if shared_match > match:
+            return shared_match, cached, 0
+        return match, own + (cached if shared_match == match else []), len(own)
 
     def propose(self, bonus: int) -> DraftTree:
-        match, continuations = self._continuations(bonus)
+        match, continuations, own = self._continuations(bonus)
         children: dict[tuple[int, ...], int] = {}  # path -> occurrences through it
-        for c in continuations:
+        own_paths: set[tuple[int, ...]] = set()  # paths through the request's own text
+        for i, c in enumerate(continuations):
             for d in range(1, len(c) + 1):
                 children[tuple(c[:d])] = children.get(tuple(c[:d]), 0) + 1
+                if i < own:
+                    own_paths.add(tuple(c[:d]))
         # rows in order of depth (parents before children), then by support and first appearance
         order = sorted(children, key=lambda p: (len(p), -children[p]))
         row_of: dict[tuple[int, ...], int] = {}
@@ -133,7 +152,7 @@ class NgramProposer:
             through = children[path]
             # a sole continuation counts as the whole share (the occurrences that stop short do not lower it)
             share = through / (children[parent] if parent else len(continuations)) if siblings[parent] > 1 else 1.0
-            key = AcceptanceRates.bucket(match, through, share)
+            key = AcceptanceRates.bucket(match, through, share, path not in own_paths)
             p = self.rates.probability(key, share)
             self._features[path] = key
             row_of[path] = len(tokens) + 1

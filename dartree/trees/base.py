@@ -90,10 +90,9 @@ class TreeSettings:
     beta: float = _setting(-0.2, "depth bonus of the final top-B, must be <= 0", ("--beta",), "beta", "beta", float)
     max_budget: int = _setting(64, "with --budget auto: the largest tree built each round", ("--max-budget",), "max_budget",
                                "max")
-    # on: the n-gram tree merged before the global top-B (measured better on every held-out category and
-    # in wall clock, docs/results/lean-round); off by default while the error-injection, bench-key and
-    # replayed-budget tests assume dartree's drafter-only proposer
-    ngram: bool = _setting(False, "dartree: merge the n-gram proposer's continuations of the text's repeated suffix into "
+    # on: the n-gram tree merged before the global top-B, measured better on every held-out category and
+    # in wall clock (docs/results/lean-round); off: the drafter's tree alone, today's trees node for node
+    ngram: bool = _setting(True, "dartree: merge the n-gram proposer's continuations of the text's repeated suffix into "
                            "the drafter's tree before its global top-B (on/off)", ("--ngram",), "ngram", "ngram", parse_switch)
 
     @classmethod
