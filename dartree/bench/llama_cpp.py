@@ -2,8 +2,9 @@
 
 ``scripts/build_llama_cpp.sh`` builds llama.cpp b11434 into ``<cache>/llama.cpp/`` and writes the
 F32 GGUF of the shipped Q4_1 file (every weight d * q + m, exactly the fp32 weights dartree
-decodes). Two peers run on it: ``llama.cpp-f32`` (those weights, in fp32) and ``llama.cpp-q4_1``
-(the shipped 4-bit file itself). A peer gets the prompt as token ids (our chat template's, so both
+decodes). Three peers run on it: ``llama.cpp-f32`` (those weights, in fp32), ``llama.cpp-q4_1``
+(the shipped 4-bit file itself) and ``llama.cpp-q4_1-ngram`` (that file with llama.cpp's n-gram
+speculation, ``--spec-type ngram-simple``). A peer gets the prompt as token ids (our chat template's, so both
 sides decode the same input), greedy, and returns its token ids and its own decode time (prompt
 processing excluded, as ours). The benchmark (``dartree bench``), ``scripts/side_by_side_llama_cpp.py``
 and ``scripts/serve_load.py`` all start it here.
@@ -25,7 +26,12 @@ from ..errors import DartreeError
 
 BUILD_HINT = "bash scripts/build_llama_cpp.sh   # builds llama.cpp b11434 into .cache/llama.cpp (~8 minutes on 2 cores)"
 F32_FILE = "SmolLM2-135M-Instruct.F32.gguf"
-LLAMA_PEERS = ("llama.cpp-f32", "llama.cpp-q4_1")
+# peer -> its speculation flags: llama.cpp's own drafter-free speculation (``--spec-type ngram-simple``),
+# with the lookup and draft lengths of dartree's ``ngram-chain`` (a suffix of up to 3 tokens here; 8 drafted)
+PEER_FLAGS = {"llama.cpp-f32": (), "llama.cpp-q4_1": (),
+              "llama.cpp-q4_1-ngram": ("--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3",
+                                       "--spec-ngram-simple-size-m", "8")}
+LLAMA_PEERS = tuple(PEER_FLAGS)
 
 
 def llama_dir() -> Path:
@@ -40,7 +46,7 @@ def peer_weights(peer: str) -> Path:
     """The GGUF file a peer decodes."""
     if peer == "llama.cpp-f32":
         return llama_dir() / F32_FILE
-    if peer == "llama.cpp-q4_1":
+    if peer in ("llama.cpp-q4_1", "llama.cpp-q4_1-ngram"):
         return gguf_path()
     raise DartreeError(f"unknown llama.cpp peer {peer!r}; known: {', '.join(LLAMA_PEERS)}")
 
@@ -71,8 +77,10 @@ def wait_healthy(proc: subprocess.Popen, base_url: str, tries: int) -> bool:
 class LlamaServer:
     """One ``llama-server`` process on a GGUF file, ``slots`` parallel slots, CPU only."""
 
-    def __init__(self, gguf: Path, threads: int, port: int, slots: int = 1, context_per_slot: int = 4096):
+    def __init__(self, gguf: Path, threads: int, port: int, slots: int = 1, context_per_slot: int = 4096,
+                 speculation: tuple[str, ...] = ()):
         self.gguf, self.threads, self.port, self.slots = Path(gguf), threads, port, slots
+        self.speculation = tuple(speculation)  # llama-server's --spec-* flags (none: plain decoding)
         self.flags: tuple[str, ...] = ()
         self.proc: subprocess.Popen | None = None
         self.context = context_per_slot * slots
@@ -91,7 +99,7 @@ class LlamaServer:
             self.proc = subprocess.Popen(
                 [str(server_binary()), "-m", str(self.gguf), "-t", str(self.threads), "-tb", str(self.threads),
                  "-c", str(self.context), "-np", str(self.slots), "--port", str(self.port), "--host", "127.0.0.1",
-                 "-ngl", "0", *flags], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                 "-ngl", "0", *self.speculation, *flags], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             if wait_healthy(self.proc, self.base_url, tries):
                 try:
                     self.complete([1, 2, 3], 4)
@@ -115,6 +123,7 @@ class LlamaServer:
         t = out["timings"]
         return {"token_ids": list(out["tokens"]), "new_tokens": int(t["predicted_n"]),
                 "decode_seconds": t["predicted_ms"] / 1000.0, "prompt_seconds": t["prompt_ms"] / 1000.0,
+                "drafted": t.get("draft_n", 0), "draft_accepted": t.get("draft_n_accepted", 0),  # with --spec-type
                 "total_seconds": wall, "stop_type": out.get("stop_type")}
 
     def close(self) -> None:
@@ -146,4 +155,5 @@ def start_peer(peer: str, threads: int, port: int | None = None, slots: int = 1)
     reason = missing()
     if reason is not None:
         raise DartreeError(reason)
-    return LlamaServer(peer_weights(peer), threads, free_port() if port is None else port, slots).start()
+    return LlamaServer(peer_weights(peer), threads, free_port() if port is None else port, slots,
+                       speculation=PEER_FLAGS[peer]).start()

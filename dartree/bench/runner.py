@@ -194,7 +194,8 @@ def run_llama_peer(server: llama_cpp.LlamaServer, pipe, sample: Sample, max_new_
     def decode(prompt: torch.Tensor) -> dict:
         out = server.complete(prompt.tolist(), max_new_tokens)
         return {"token_ids": out["token_ids"], "new_tokens": out["new_tokens"], "rounds": None, "acceptance_lengths": [],
-                "decode_seconds": max(out["decode_seconds"], 1e-9), "stage_ms": {}, "total_seconds": out["total_seconds"]}
+                "decode_seconds": max(out["decode_seconds"], 1e-9), "stage_ms": {}, "total_seconds": out["total_seconds"],
+                "drafted": out["drafted"], "draft_accepted": out["draft_accepted"]}
 
     return _peer_turns(pipe, sample, decode)
 

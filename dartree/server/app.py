@@ -1,6 +1,7 @@
 """The FastAPI routes of ``dartree serve`` over one ``EngineWorker``."""
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
@@ -9,21 +10,27 @@ from dataclasses import dataclass
 from .. import __version__
 from ..errors import DartreeError
 from ..settings import GenerationSettings
-from .protocol import RequestError, TextAssembler, parse_request
+from .protocol import RequestError, ServerLimits, TextAssembler, parse_request
 from .worker import EngineWorker, Job
 
 
 def create_app(pipe, defaults: GenerationSettings | None = None, model_name: str = "dartree", max_queue: int = 16,
-               max_batch: int = 1):
+               max_batch: int = 1, limits: ServerLimits | None = None, api_keys: tuple[str, ...] = (),
+               public_metrics: bool = False):
+    """The app serving ``pipe``. ``limits``: what one request may ask (``ServerLimits``' defaults when
+    None). ``api_keys``: when any, every path but /health (and /metrics with ``public_metrics``) needs
+    ``Authorization: Bearer <one of them>``, else HTTP 401."""
     from fastapi import FastAPI, Request
     from fastapi.responses import PlainTextResponse
     from prometheus_client import generate_latest
 
-    defaults = (defaults or GenerationSettings()).validate()
+    defaults, limits, keys = checked_config(defaults, limits, api_keys)
     worker = EngineWorker(pipe, max_queue=max_queue, max_batch=max_batch)
     app = FastAPI(title="dartree", version=__version__)
+    if keys:
+        app.add_middleware(_RequireApiKey, keys=keys, public=frozenset({"/health", *(["/metrics"] if public_metrics else [])}))
     app.state.worker = worker
-    served = _Served(pipe, pipe.tokenizer, worker, defaults, model_name)
+    served = _Served(pipe, pipe.tokenizer, worker, defaults, model_name, limits)
 
     @app.exception_handler(Exception)
     async def internal(_request, exc):  # the next request still works
@@ -56,19 +63,103 @@ def create_app(pipe, defaults: GenerationSettings | None = None, model_name: str
 @dataclass(frozen=True)
 class _Served:
     """What every route of one app serves from: the pipeline, its tokenizer, the engine worker, the
-    requests' default settings and the model id /v1/models reports."""
+    requests' default settings, the model id /v1/models reports and the limits of one request."""
 
     pipe: object
     tokenizer: object
     worker: EngineWorker
     defaults: GenerationSettings
     model_name: str
+    limits: ServerLimits
+
+
+def checked_config(defaults: GenerationSettings | None, limits: ServerLimits | None, api_keys) \
+        -> tuple[GenerationSettings, ServerLimits, tuple[bytes, ...]]:
+    """``create_app``'s settings validated (None: the defaults), the API keys as the bytes an
+    Authorization header carries; a ``DartreeError`` for a bad one. The command line calls it too,
+    before the model loads."""
+    defaults = (defaults or GenerationSettings()).validate()
+    limits = (limits or ServerLimits()).validate()
+    if defaults.max_new_tokens > limits.max_tokens:
+        raise DartreeError(f"the requests' default max_new_tokens ({defaults.max_new_tokens}) is over the "
+                           f"max_tokens limit ({limits.max_tokens}, --max-tokens-limit); lower one or raise the other")
+    return defaults, limits, _checked_api_keys(api_keys)
+
+
+def _checked_api_keys(api_keys) -> tuple[bytes, ...]:
+    """A key is visible ASCII: a header cannot carry other characters reliably, and spaces around a
+    key would be stripped in transit."""
+    if isinstance(api_keys, str):
+        raise DartreeError("api_keys must be a list of keys, not one string")
+    for position, key in enumerate(api_keys, 1):
+        # the key itself is never echoed: it is a secret, and the message may end up in a log
+        if not isinstance(key, str) or not key or not all("!" <= c <= "~" for c in key):
+            raise DartreeError(f"API key {position} of {len(api_keys)} is not a non-empty string of visible ASCII "
+                               "characters (no spaces)")
+    return tuple(key.encode("ascii") for key in api_keys)
+
+
+def _key_matches(given: bytes, keys: tuple[bytes, ...]) -> bool:
+    """Whether ``given`` is one of ``keys``, in time that does not depend on where it differs from
+    any of them: every key is compared, in constant time, whichever matched."""
+    matched = False
+    for key in keys:
+        matched |= hmac.compare_digest(given, key)
+    return matched
+
+
+class _RequireApiKey:
+    """ASGI middleware: a request for any path outside ``public`` needs ``Authorization: Bearer <key>``
+    with one of ``keys``, or it is answered HTTP 401 before any route runs. A middleware rather than a
+    check in each route, so that the paths FastAPI adds itself (/docs, /openapi.json) and unknown
+    paths are behind the key too; a plain ASGI one, which passes a stream and its disconnect through
+    untouched."""
+
+    def __init__(self, app, keys: tuple[bytes, ...], public: frozenset[str]):
+        self.app, self.keys, self.public = app, keys, public
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in self.public:
+            refusal = self._refusal(next((v for k, v in scope["headers"] if k == b"authorization"), b""))
+            if refusal is not None:
+                response = _error(refusal)
+                response.headers["WWW-Authenticate"] = "Bearer"  # RFC 6750: the scheme a 401 asks for
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _refusal(self, authorization: bytes) -> RequestError | None:
+        scheme, _, key = authorization.partition(b" ")
+        key = key.strip()
+        if scheme.lower() != b"bearer" or not key:
+            return RequestError("this server needs an API key: send the header 'Authorization: Bearer <key>'", 401,
+                                kind="authentication_error", code="missing_api_key")
+        if not _key_matches(key, self.keys):
+            return RequestError("the API key is not valid", 401, kind="authentication_error", code="invalid_api_key")
+        return None
 
 
 def _error(exc: RequestError):
     from fastapi.responses import JSONResponse
 
     return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _read_body(request, limits: ServerLimits) -> bytes:
+    """The request body, refused with HTTP 413 past ``limits.max_body_bytes``: by its Content-Length
+    before any of it is read, else as it arrives (a chunked body declares no length), so an oversized
+    body is never held whole. uvicorn reads and drops what is left of a refused body, so the client,
+    still sending, gets the 413 rather than a reset connection."""
+    limit = limits.max_body_bytes
+    declared = request.headers.get("content-length")  # digits only: uvicorn refuses any other
+    if declared is not None and int(declared) > limit:
+        raise limits.exceeded("max_body_bytes", f"the request body is {declared} bytes", status=413)
+    received = bytearray()
+    async for chunk in request.stream():
+        received += chunk
+        if len(received) > limit:
+            raise limits.exceeded("max_body_bytes", f"the request body is at least {len(received)} bytes", status=413)
+    return bytes(received)
 
 
 def _submit(served: _Served, raw: bytes, chat: bool):
@@ -78,12 +169,15 @@ def _submit(served: _Served, raw: bytes, chat: bool):
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise RequestError(f"the request body is not valid JSON: {exc}") from None
-    source, settings, stop, stream, include_usage = parse_request(body, served.defaults, chat)
+    source, settings, stop, stream, include_usage = parse_request(body, served.defaults, chat, served.limits)
     if served.tokenizer is None:
         raise RequestError("this model has no tokenizer, so it cannot serve text requests", status=500, kind="server_error")
     pipe = served.pipe
     try:
         ids = pipe.encode(messages=source) if chat else pipe.encode(input_ids=served.tokenizer(source)["input_ids"] or [0])
+        if ids.numel() > served.limits.max_prompt_tokens:
+            raise served.limits.exceeded("max_prompt_tokens", f"the prompt is {ids.numel()} tokens",
+                                         param="messages" if chat else "prompt")
         pipe.check_request(ids, settings)
     except DartreeError as exc:
         raise RequestError(str(exc)) from None
@@ -96,7 +190,7 @@ async def _completion(served: _Served, request, chat: bool):
     from fastapi.responses import StreamingResponse
 
     try:
-        job, stream, include_usage = _submit(served, await request.body(), chat)
+        job, stream, include_usage = _submit(served, await _read_body(request, served.limits), chat)
     except RequestError as exc:
         return _error(exc)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]

@@ -1,8 +1,9 @@
 """The OpenAI protocol's side of the server: request bodies to validated settings (every bad input
-an HTTP 400 with an OpenAI-style error body), and text assembled from token ids with stop strings."""
+an HTTP 400 with an OpenAI-style error body, within the server's ``ServerLimits``), and text assembled
+from token ids with stop strings."""
 
 import json
-from dataclasses import replace
+from dataclasses import dataclass, field, fields, replace
 
 from ..errors import DartreeError
 from ..settings import GenerationSettings
@@ -14,16 +15,56 @@ from ..trees import TreeSettings
 DART_FIELDS = {**{s.metadata["request"]: s.name for s in GenerationSettings.declarations() if s.metadata["dartree_only"]},
                **{s.metadata["request"]: s.name for s in TreeSettings.declarations()}}
 
+# the request fields of max_new_tokens, the first one a request gives taking precedence (as ``_generation_fields`` reads them)
+_MAX_NEW_TOKENS = GenerationSettings.__dataclass_fields__["max_new_tokens"].metadata
+_MAX_TOKENS_FIELDS = (*_MAX_NEW_TOKENS["aliases"], _MAX_NEW_TOKENS["request"])
+
 
 class RequestError(Exception):
     """A bad request: HTTP ``status`` with an OpenAI-style error body."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None, kind: str = "invalid_request_error"):
+    def __init__(self, message: str, status: int = 400, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None):
         super().__init__(message)
-        self.status, self.param, self.kind = status, param, kind
+        self.status, self.param, self.kind, self.code = status, param, kind, code
 
     def body(self) -> dict:
-        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": None}}
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def _limit(default: int, flag: str, help: str):
+    return field(default=default, metadata={"flag": flag, "help": help})
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one request may ask of ``dartree serve``, each limit raised by its command-line flag
+    (``metadata``: the flag and its help, from which ``dartree serve --help`` is made). The defaults
+    live here only. A body over its limit is an HTTP 413, any other limit exceeded an HTTP 400; either
+    message names the limit and its flag."""
+
+    max_body_bytes: int = _limit(1 << 20, "--max-body-bytes", "most bytes of a request body")
+    max_messages: int = _limit(256, "--max-messages", "most messages in one chat request")
+    max_prompt_chars: int = _limit(100_000, "--max-prompt-chars", "most characters of a prompt (all its messages' roles "
+                                   "and contents together), checked before tokenising")
+    max_prompt_tokens: int = _limit(8192, "--max-prompt-tokens", "most tokens of a prompt, chat template included (it "
+                                    "must also fit the target's context beside max_tokens)")
+    max_tokens: int = _limit(4096, "--max-tokens-limit", "the largest max_tokens a request may ask for")
+    max_stop: int = _limit(4, "--max-stop", "most entries of a request's stop list")
+    max_stop_chars: int = _limit(256, "--max-stop-chars", "most characters of one stop string")
+
+    def validate(self) -> "ServerLimits":
+        for limit in fields(self):
+            value = getattr(self, limit.name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise DartreeError(f"{limit.metadata['flag']} must be an integer >= 1, got {value!r}")
+        return self
+
+    def exceeded(self, name: str, what: str, param: str | None = None, status: int = 400) -> RequestError:
+        """The error of a request over limit ``name``: ``what`` it asked, then the limit and its flag."""
+        flag = self.__dataclass_fields__[name].metadata["flag"]
+        return RequestError(f"{what}, over this server's limit of {getattr(self, name)} (set by dartree serve {flag})",
+                            status, param)
 
 
 def _number(body, name, low=None, high=None, integer=False, low_open=False):
@@ -64,35 +105,16 @@ def _generation_fields(body) -> tuple[dict, dict]:
     return given, off
 
 
-def parse_request(body, defaults: GenerationSettings, chat: bool):
-    """(messages or prompt, settings, stop strings, stream, include_usage) of a request body."""
+def parse_request(body, defaults: GenerationSettings, chat: bool, limits: ServerLimits = ServerLimits()):
+    """(messages or prompt, settings, stop strings, stream, include_usage) of a request body, within
+    ``limits`` (the prompt's tokens are checked once tokenised, by the caller)."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
-    if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise RequestError("'messages' must be a non-empty list of {role, content} objects", param="messages")
-        for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise RequestError("every message must be an object with a string 'role' and a string 'content'", param="messages")
-        source = messages
-    else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if not isinstance(prompt, str) or not prompt:
-            raise RequestError("'prompt' must be a non-empty string", param="prompt")
-        source = prompt
+    source = _prompt_source(body, chat, limits)
     n = _number(body, "n", integer=True)
     if n is not None and n != 1:
         raise RequestError(f"'n' must be 1: one completion per request (got {n})", param="n")
-    stop = body.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
-    elif not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop) and len(stop) <= 4):
-        raise RequestError("'stop' must be a string or a list of at most 4 non-empty strings", param="stop")
+    stop = _stop_strings(body, limits)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise RequestError("'stream' must be true or false", param="stream")
@@ -106,7 +128,53 @@ def parse_request(body, defaults: GenerationSettings, chat: bool):
         settings = replace(GenerationSettings.from_kwargs(defaults, **given, **tree), **off).validate()
     except DartreeError as exc:
         raise RequestError(str(exc)) from None
+    if settings.max_new_tokens > limits.max_tokens:
+        asked = next(name for name in _MAX_TOKENS_FIELDS if body.get(name) is not None)  # the defaults are checked at start
+        raise limits.exceeded("max_tokens", f"'{asked}' is {settings.max_new_tokens}", param=asked)
     return source, settings, stop, stream, bool(options.get("include_usage", False))
+
+
+def _prompt_source(body: dict, chat: bool, limits: ServerLimits):
+    """The messages (chat) or the prompt text of a request body, checked against the limits that need
+    no tokenizer, so an oversized prompt is refused before any tokenising."""
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise RequestError("'messages' must be a non-empty list of {role, content} objects", param="messages")
+        if len(messages) > limits.max_messages:
+            raise limits.exceeded("max_messages", f"'messages' has {len(messages)} entries", param="messages")
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise RequestError("every message must be an object with a string 'role' and a string 'content'", param="messages")
+        chars, param = sum(len(m["role"]) + len(m["content"]) for m in messages), "messages"
+        source = messages
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str) or not prompt:
+            raise RequestError("'prompt' must be a non-empty string", param="prompt")
+        chars, param = len(prompt), "prompt"
+        source = prompt
+    if chars > limits.max_prompt_chars:
+        raise limits.exceeded("max_prompt_chars", f"the prompt is {chars} characters", param=param)
+    return source
+
+
+def _stop_strings(body: dict, limits: ServerLimits) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
+        raise RequestError("'stop' must be a non-empty string or a list of non-empty strings", param="stop")
+    if len(stop) > limits.max_stop:
+        raise limits.exceeded("max_stop", f"'stop' has {len(stop)} entries", param="stop")
+    longest = max((len(s) for s in stop), default=0)
+    if longest > limits.max_stop_chars:
+        raise limits.exceeded("max_stop_chars", f"a 'stop' entry is {longest} characters", param="stop")
+    return stop
 
 
 class TextAssembler:
