@@ -37,6 +37,7 @@ import torch
 from .budget import BudgetPolicy, cut_batch, plan_drafting
 from .costmodel import MeasuredCostModel
 from .proposers import Proposer
+from .structured import Constraint
 from .targets.base import Part, Target
 from .trees import DraftTree, TreeBuilder, build_trees
 from .verify import Sampler, ancestor_matrix, first_ask, walk_steps
@@ -109,6 +110,7 @@ class Request:
     proposer: Proposer | None = None  # its own proposer (its own drafter cache): methods that speculate
     on_tokens: Callable[[list[int]], None] | None = None  # each round's committed tokens, already truncated
     cancelled: Callable[[], bool] | None = None  # polled before each round: True ends it (FINISH_CANCELLED)
+    constraint: Constraint | None = None  # structured output: the grammar every committed token follows
     # state
     slot: int = -1
     output: list[int] = field(default_factory=list)
@@ -136,13 +138,25 @@ class Request:
         """The bonus token's position (the target's committed length of this request)."""
         return self.prompt_ids.numel() + len(self.output) - 1
 
+    def choose(self, logits: torch.Tensor, paths: list[tuple[int, ...]], positions: list[int]) -> torch.Tensor:
+        """The target's choices [n] at rows with logits [n, V] choosing the tokens at ``positions``;
+        ``paths``: each row's draft tokens after the committed text (its grammar state, where the
+        request has a constraint: the tokens it forbids there get probability 0)."""
+        if self.constraint is not None:
+            logits = self.constraint.mask(logits, paths)
+        return self.sampler(logits, positions)
+
     def emit(self, tokens: list[int]) -> None:
+        # a round may verify past max_new_tokens: what lies beyond (a stop token, the grammar's end) is not written
+        tokens = tokens[:self.max_new_tokens - len(self.output)]
+        if self.constraint is not None:
+            tokens = self.constraint.advance(tokens)
         if self.on_tokens is not None:
             fresh = truncate(tokens, self.max_new_tokens - len(self.output), self.stop_ids)
             if fresh:
                 self.on_tokens(fresh)
         self.output.extend(tokens)
-        if self.stop_ids.intersection(tokens):
+        if self.stop_ids.intersection(tokens) or (self.constraint is not None and self.constraint.done):
             self.finish(FINISH_STOP)
         elif len(self.output) >= self.max_new_tokens:
             self.finish(FINISH_LENGTH)
@@ -196,6 +210,7 @@ class Lane:
     tapped_states: torch.Tensor | None = None  # the tapped layers' states of its rows
     walk: Generator | None = None  # ``verify.walk_steps`` of its tree
     asked: list[int] = field(default_factory=list)  # rows whose choices its walk waits for
+    paths: list[tuple[int, ...]] | None = None  # with a constraint: each row's draft tokens (its grammar state)
     after: list[int] = field(default_factory=list)  # row i chooses the token at position after[i]
     accepted: tuple[list[int], int] | None = None  # the walk's result: accepted rows, next bonus
 
@@ -296,6 +311,15 @@ def grow(state: RoundState) -> None:
     building = [ln for ln in state.live(decoding=True) if ln.request.proposer is None or ln.proposal is not None]
     if building:
         _together(building, _grow_group)
+    # structured output: the grammar prunes the tree and, for a method that speculates (not the plain
+    # ``ar`` baseline), adds the tokens it forces
+    for ln in state.live(decoding=True):
+        if ln.request.constraint is not None:
+            try:
+                ln.tree = ln.request.constraint.shape(ln.tree if ln.tree is not None else DraftTree.empty(state.target.device),
+                                                      force=ln.request.proposer is not None)
+            except Exception as exc:  # noqa: BLE001 - this request ends with its error; the others go on
+                ln.fail(exc)
     state.clock.lap("tree")
     priced = [ln for ln in building if ln.request.policy is not None and ln.proposal is not None]
     if state.costs is not None and priced and len(priced) == len(building):  # the model prices budgeted builds
@@ -362,7 +386,7 @@ def _take_prompt(target: Target, ln: Lane, logits: torch.Tensor | None) -> None:
     commit(target, ln, list(range(n)))
     r.prefilled += n
     if logits is not None:
-        r.bonus = int(r.sampler(logits, [r.prompt_ids.numel()])[0])
+        r.bonus = int(r.choose(logits, [()], [r.prompt_ids.numel()])[0])
         if r.policy is not None:
             r.policy.start_request()
         r.emit([r.bonus])
@@ -380,6 +404,12 @@ def _advance(ln: Lane, choices: list[int] | None) -> bool:
         return False
 
 
+def _choose(ln: Lane, logits: torch.Tensor) -> torch.Tensor:
+    """The lane's request's choices at the rows its walk asked for."""
+    paths = [ln.paths[i] for i in ln.asked] if ln.paths is not None else []
+    return ln.request.choose(logits, paths, [ln.after[i] for i in ln.asked])
+
+
 def walk(state: RoundState, logits: torch.Tensor | None) -> None:
     """Every decoding request walks its tree with its own choices (its own sampler); the walks run
     together, so each further ask of the output layer (where the target leaves a likely path) is one
@@ -393,7 +423,8 @@ def walk(state: RoundState, logits: torch.Tensor | None) -> None:
                 _take_prompt(state.target, ln, first)
                 continue
             ln.after = (ln.request.position + 1 + ln.part.depths).tolist()  # row i chooses the token after it
-            known = dict(zip(ln.asked, ln.request.sampler(first, [ln.after[i] for i in ln.asked]).tolist()))
+            ln.paths = [()] + ln.tree.node_paths() if ln.request.constraint is not None else None
+            known = dict(zip(ln.asked, _choose(ln, first).tolist()))
             ln.walk = walk_steps(ln.tree, known)
             if _advance(ln, None):
                 asking.append(ln)
@@ -404,7 +435,7 @@ def walk(state: RoundState, logits: torch.Tensor | None) -> None:
         for ln in asking:
             rows, at = more[at:at + len(ln.asked)], at + len(ln.asked)
             try:
-                if _advance(ln, ln.request.sampler(rows, [ln.after[i] for i in ln.asked]).tolist()):
+                if _advance(ln, _choose(ln, rows).tolist()):
                     still.append(ln)
             except Exception as exc:  # noqa: BLE001 - this request ends with its error; the others go on
                 ln.fail(exc)
@@ -565,7 +596,7 @@ def reference_round(target: Target, r: Request) -> None:
         _keep(target, r, start, tokens, tapped, list(range(tokens.numel())))
         r.prefilled += tokens.numel()
         if r.prefilled == r.prompt_ids.numel():
-            r.bonus = int(r.sampler(target.lm_head(hidden[-1:]), [r.prompt_ids.numel()])[0])
+            r.bonus = int(r.choose(target.lm_head(hidden[-1:]), [()], [r.prompt_ids.numel()])[0])
             if r.policy is not None:
                 r.policy.start_request()
             r.emit([r.bonus])
@@ -576,15 +607,20 @@ def reference_round(target: Target, r: Request) -> None:
         (proposal,) = type(r.proposer).propose_batch([r.proposer], [r.bonus], [r.position])
         if not r.drafted:
             r.drafted, r.decode_start = True, time.perf_counter()
-    if r.proposer is None or proposal is not None:
+    built = r.proposer is None or proposal is not None
+    if built:
         budget = r.policy.round_budget(r.builder.settings.build_budget) if r.policy is not None else None
         (tree,) = build_trees([r.builder], [proposal], getattr(r.proposer, "head", None), [budget])
-        if r.policy is not None:
-            (tree,) = cut_batch([(r.policy, tree)], 1, 1.0, 0)
+    if r.constraint is not None:  # as ``grow``: pruned, and the forced run added
+        tree = r.constraint.shape(tree, force=r.proposer is not None)
+    if r.policy is not None and (built or r.constraint is not None):
+        (tree,) = cut_batch([(r.policy, tree)], 1, 1.0, 0)
     tokens, depths = tree.rows(r.bonus)
     ((hidden, tapped),) = target.forward_parts([Part(r.slot, tokens, depths, ancestor_matrix(tree))])
     after = (r.position + 1 + depths).tolist()
-    accepted, bonus = verify_walk(tree, lambda rows: r.sampler(target.lm_head(hidden[rows]), [after[i] for i in rows]).tolist())
+    paths = [()] + tree.node_paths()
+    accepted, bonus = verify_walk(tree, lambda rows: r.choose(target.lm_head(hidden[rows]), [paths[i] for i in rows],
+                                                              [after[i] for i in rows]).tolist())
     _keep(target, r, start, tokens, tapped, accepted)
     if r.policy is not None:
         r.policy.observe(tree, accepted)

@@ -21,6 +21,7 @@ from .prompts import chat_token_ids
 from .settings import GenerationSettings
 from .proposers import Proposer, make_proposer
 from .proposers.suffix_cache import SuffixCache
+from .structured import Constraint, Grammars, OutputFormat
 from .trees.grow_kernel import head_tables
 from .targets import WEIGHTS, check_context_length, make_target, unsupported_reason
 from .trees import available_methods
@@ -68,6 +69,7 @@ class Pipeline:
         self._cost_model: CostModel | None = None
         self._policies: dict[tuple, BudgetPolicy] = {}
         self.suffix_cache: SuffixCache | None = None  # earlier answers for the n-gram proposer (use_suffix_cache)
+        self._grammars: Grammars | None = None  # structured output's compiled formats (made on first use)
         if drafter is not None:
             self.head = drafter.head
             if self.head is not None:
@@ -137,13 +139,29 @@ class Pipeline:
         """How deep the proposals of proposer ``proposer`` (a registered name) reach: the budget policy's depth."""
         return self.proposer.num_depths if proposer == "drafter" else make_proposer(proposer, self).num_depths
 
+    def constraint(self, response_format) -> Constraint | None:
+        """The grammar state of a new request of ``response_format`` (``structured.OutputFormat.parse``:
+        a JSON schema dict or Pydantic model class, OpenAI's ``response_format``, vLLM's
+        ``{"regex": ...}`` / ``{"choice": [...]}`` / ``{"grammar": ...}``), or None for none. An invalid
+        format is a ``DartreeError`` that names the problem, before any decoding."""
+        if isinstance(response_format, Constraint):  # compiled already (the server compiles as a request arrives)
+            return response_format
+        fmt = OutputFormat.parse(response_format)
+        if fmt is None:
+            return None
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.target_model.config.vocab_size)
+        return Constraint(self._grammars.compile(fmt), self._grammars.vocab_size)
+
     def request(self, ids: torch.Tensor, settings: GenerationSettings, stop_token_ids: list[int] | None = None,
-                on_tokens=None, cancelled=None, alone: bool = True) -> Request:
+                on_tokens=None, cancelled=None, alone: bool = True, response_format=None) -> Request:
         """A request of ``settings`` (validated, and checked with ``check_request``) for the round.
 
         ``alone``: the request runs by itself (``generate``), so it uses the pipeline's drafter
         cache and budget policy; else (the batched engine) it gets its own drafter cache and its own
-        copy of the policy, whose acceptance calibration starts from the pipeline's."""
+        copy of the policy, whose acceptance calibration starts from the pipeline's. ``response_format``:
+        structured output (``constraint``)."""
+        constraint = self.constraint(response_format)
         builder = settings.builder()
         policy = None
         if builder.cut_per_round:
@@ -156,7 +174,7 @@ class Pipeline:
             proposer = shared if alone and shared is not None else make_proposer(builder.proposer, self)
         stop = set(stop_token_ids) if stop_token_ids is not None else self.default_stop_ids()
         return Request(ids, builder, settings.sampler(self.device), settings.max_new_tokens, stop, policy=policy,
-                       proposer=proposer, on_tokens=on_tokens, cancelled=cancelled)
+                       proposer=proposer, on_tokens=on_tokens, cancelled=cancelled, constraint=constraint)
 
     def engine(self, max_batch: int, measured_costs: bool = False) -> Engine:
         """A batched engine over this pipeline's target: up to ``max_batch`` requests per round
@@ -235,6 +253,7 @@ class Pipeline:
         top_p: float | None = None,
         stop_token_ids: list[int] | None = None,
         streamer=None,
+        response_format=None,
         **retired,
     ) -> GenerationResult:
         """Generate with one method.
@@ -249,7 +268,13 @@ class Pipeline:
 
         ``streamer``: a Hugging Face-style streamer (``put(tensor)``, ``end()``), e.g.
         ``transformers.TextStreamer(pipe.tokenizer, skip_prompt=True)``. As in HF ``generate`` it gets
-        the prompt first, then each round's verified tokens as soon as the round ends."""
+        the prompt first, then each round's verified tokens as soon as the round ends.
+
+        ``response_format``: structured output, every method exact under it: a JSON schema (a dict, or a
+        Pydantic model class), ``{"type": "json_object"}``, OpenAI's ``{"type": "json_schema",
+        "json_schema": {"schema": ...}}``, or ``{"regex": ...}``, ``{"choice": [...]}``, ``{"grammar":
+        LARK_OR_GBNF}``. The target's distribution at every position is the one the grammar allows;
+        a structure cut by ``max_new_tokens`` ends with finish reason ``length``."""
         settings = GenerationSettings.from_kwargs(
             settings, method=method, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, budget=budget,
             width=width, tree_top_k=tree_top_k, beta=beta, max_budget=max_budget, ngram=ngram, top_k=top_k, top_p=top_p,
@@ -265,7 +290,7 @@ class Pipeline:
                     "streamer must have put(tensor) and end() methods, like transformers.TextStreamer")
             streamer.put(ids[None].cpu())
             on_tokens = lambda new: streamer.put(torch.tensor(new))  # noqa: E731
-        request = run_alone(self.target, self.request(ids, settings, stop_token_ids, on_tokens))
+        request = run_alone(self.target, self.request(ids, settings, stop_token_ids, on_tokens, response_format=response_format))
         tokens, stats = request.output, request.stats
         if streamer is not None:
             streamer.end()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from ..calibration import load_or_measure
 from ..errors import DartreeError
@@ -33,6 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template; feed the prompt text as is")
     add_generation_args(gen)
     gen.add_argument("--json", action="store_true", help="print a machine-readable JSON result")
+    structured = gen.add_argument_group("structured output", "the answer matches it (every method stays exact: "
+                                        "the target's distribution is the one the format allows); give at most one")
+    structured.add_argument("--json-schema", metavar="FILE", help="a JSON schema file the answer must validate against")
+    structured.add_argument("--regex", help="a regular expression the whole answer must match")
+    structured.add_argument("--grammar", metavar="FILE", help="a Lark or GBNF (llama.cpp) grammar file the answer must match")
     add_threads_arg(gen)
     add_model_args(gen)
     add_tree_args(gen)
@@ -60,13 +66,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _structured_format(args) -> dict | None:
+    """--json-schema / --regex / --grammar as a ``response_format`` (the files read and checked to exist)."""
+    given = [name for name in ("json_schema", "regex", "grammar") if getattr(args, name) is not None]
+    if len(given) > 1:
+        raise DartreeError(f"give one of --json-schema, --regex, --grammar, not {' and '.join('--' + g.replace('_', '-') for g in given)}")
+    if not given:
+        return None
+    if given[0] == "regex":
+        return {"regex": args.regex}
+    path = Path(getattr(args, given[0]))
+    if not path.is_file():
+        raise DartreeError(f"--{given[0].replace('_', '-')}: no file {path}")
+    text = path.read_text()
+    if given[0] == "grammar":
+        return {"grammar": text}
+    try:
+        return {"json_schema": json.loads(text)}
+    except json.JSONDecodeError as exc:
+        raise DartreeError(f"--json-schema: {path} is not valid JSON ({exc})") from None
+
+
 def _run_generate(args) -> int:
     # Every setting is checked before the model loads (which takes seconds).
     settings = generation_settings(args)
     if not args.prompt.strip():
         raise DartreeError("the prompt is empty; give some text")
+    response_format = _structured_format(args)
     pipe = load_pipeline(args.target, args.drafter, dtype=args.dtype, device=args.device, weights=args.weights)
-    kwargs = dict(settings=settings)
+    kwargs = dict(settings=settings, response_format=response_format)
     streaming = not args.json and pipe.tokenizer is not None
     if streaming:  # print the text as each round is verified
         from transformers import TextStreamer

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from .. import __version__
 from ..errors import DartreeError
 from ..settings import GenerationSettings
-from .protocol import RequestError, ServerLimits, TextAssembler, parse_request
+from .protocol import RequestError, ServerLimits, TextAssembler, parse_request, structured_format
 from .worker import EngineWorker, Job
 
 
@@ -179,9 +179,10 @@ def _submit(served: _Served, raw: bytes, chat: bool):
             raise served.limits.exceeded("max_prompt_tokens", f"the prompt is {ids.numel()} tokens",
                                          param="messages" if chat else "prompt")
         pipe.check_request(ids, settings)
+        constraint = pipe.constraint(structured_format(body))  # compiled (and checked) before any decoding
     except DartreeError as exc:
         raise RequestError(str(exc)) from None
-    job = Job(ids.tolist(), settings, stop)
+    job = Job(ids.tolist(), settings, stop, constraint=constraint)
     served.worker.submit(job)
     return job, stream, include_usage
 

@@ -134,6 +134,38 @@ def parse_request(body, defaults: GenerationSettings, chat: bool, limits: Server
     return source, settings, stop, stream, bool(options.get("include_usage", False))
 
 
+# Where each engine's users put structured output: OpenAI's response_format, vLLM's guided_* fields and
+# structured_outputs object, llama.cpp's json_schema and grammar; each maps to structured.OutputFormat.parse
+_GUIDED_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar", "json_schema": "json_schema", "grammar": "grammar"}
+_STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+
+
+def structured_format(body: dict):
+    """The structured output a request asks for, as ``structured.OutputFormat.parse`` takes it (None:
+    none); more than one way of asking, or a field of the wrong type, is a ``RequestError``."""
+    asked = []
+    response_format = body.get("response_format")
+    if response_format is not None:
+        if not isinstance(response_format, dict):
+            raise RequestError("'response_format' must be an object like {\"type\": \"json_object\"}", param="response_format")
+        if response_format.get("type") not in (None, "text"):
+            asked.append(("response_format", response_format))
+    for name, kind in _GUIDED_FIELDS.items():
+        if body.get(name) is not None:
+            asked.append((name, {kind: body[name]}))
+    outputs = body.get("structured_outputs")
+    if outputs is not None:
+        if not isinstance(outputs, dict):
+            raise RequestError("'structured_outputs' must be an object like {\"regex\": \"...\"}", param="structured_outputs")
+        asked += [("structured_outputs", {kind: outputs[name]}) for name, kind in _STRUCTURED_OUTPUTS.items()
+                  if outputs.get(name) is not None]
+    if len(asked) > 1:
+        raise RequestError(f"give one structured output format, got {', '.join(name for name, _ in asked)}",
+                           param=asked[1][0])
+    return asked[0][1] if asked else None
+
+
 def _prompt_source(body: dict, chat: bool, limits: ServerLimits):
     """The messages (chat) or the prompt text of a request body, checked against the limits that need
     no tokenizer, so an oversized prompt is refused before any tokenising."""

@@ -20,6 +20,7 @@ class Job:
     stop: list[str]
     events: "queue.Queue[tuple[str, object]]" = field(default_factory=queue.Queue)  # ("tokens", list) | ("done", result) | ("error", msg)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    constraint: object | None = None  # structured output: the request's grammar state (structured.Constraint)
 
 
 class EngineWorker:
@@ -78,7 +79,7 @@ class EngineWorker:
         try:
             request = self.pipe.request(torch.tensor(job.input_ids), job.settings,
                                         on_tokens=lambda new, job=job: job.events.put(("tokens", list(new))),
-                                        cancelled=job.cancelled.is_set, alone=False)
+                                        cancelled=job.cancelled.is_set, alone=False, response_format=job.constraint)
         except Exception as exc:  # noqa: BLE001 - reported to the client as a 500
             job.events.put(("error", f"{type(exc).__name__}: {exc}"))
             self.requests.labels("error").inc()

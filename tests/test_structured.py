@@ -1,0 +1,180 @@
+"""Structured output: every method writes exactly constrained greedy decoding (float64 tiny models, a
+one-byte-per-token vocabulary the grammar engine reads), whatever shares the batch; bad formats are
+refused before decoding; on the default model JSON answers validate against their schemas."""
+
+import json
+
+import pytest
+import torch
+from conftest import VOCAB
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dartree.errors import DartreeError
+from dartree.structured import Constraint, Grammars, OutputFormat
+
+TOKENS = [b"<eos>", b"a", b"b", b"c", b"{", b"}", b"1", b"2"]  # token 0 ends the text
+assert len(TOKENS) == VOCAB
+FORMATS = [{"regex": "(ab|c)+"}, {"regex": "a[bc]*1{2,5}"}, {"choice": ["abc", "acb", "ba{12}"]},
+           {"grammar": 'start: "{" item ("," item)* "}"\nitem: "a" | "b1" | "c2"'.replace(",", "c")}]
+METHODS = ("ar", "dflash", "ddtree", "dartree", "dartree-fixed", "ngram", "ngram-chain")
+
+
+class ByteVocabulary:
+    """What llguidance needs of a tokenizer: each token's bytes, the end token, and an encoder."""
+
+    eos_token_id, bos_token_id, special_token_ids = 0, None, [0]
+    tokens = TOKENS
+
+    def __call__(self, text: bytes) -> list[int]:  # bytes outside the vocabulary are dropped
+        return [TOKENS.index(bytes([c])) for c in text if bytes([c]) in TOKENS]
+
+
+@pytest.fixture(scope="module")
+def grammars():
+    import llguidance
+
+    return Grammars(llguidance.LLTokenizer(llguidance.TokenizerWrapper(ByteVocabulary())), VOCAB)
+
+
+def with_grammars(pipe, grammars):
+    pipe._grammars = grammars  # the tiny models' word-level tokenizer has no bytes for the grammar engine
+    return pipe
+
+
+def constrained_greedy(model, grammars, fmt, prompt, n):
+    """The reference: one full forward per token, the forbidden tokens' logits at -inf, argmax."""
+    constraint = Constraint(grammars.compile(OutputFormat.parse(fmt)), VOCAB)
+    out = []
+    for _ in range(n):
+        logits = model(torch.tensor([prompt + out])).logits[0, -1:]
+        token = int(constraint.mask(logits, [()]).argmax(-1))
+        out.append(token)
+        constraint.advance([token])
+        if token == 0 or constraint.done:
+            break
+    return out
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt=st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=6), fmt=st.sampled_from(FORMATS),
+       family=st.sampled_from(["llama", "qwen3"]))
+def test_every_method_writes_constrained_greedy_decoding(pipelines, grammars, prompt, fmt, family):
+    pipe = with_grammars(pipelines[(family, "domino")], grammars)
+    want = constrained_greedy(pipe.target_model, grammars, fmt, prompt, 20)
+    ar = pipe.generate(input_ids=prompt, method="ar", max_new_tokens=20, response_format=fmt, stop_token_ids=[0])
+    assert ar.token_ids == want and ar.stats.finish_reason == ("length" if len(want) == 20 and want[-1] != 0 else "stop")
+    text = b"".join(TOKENS[t] for t in want if t != 0).decode()
+    if "regex" in fmt and ar.stats.finish_reason == "stop":
+        import re
+        assert re.fullmatch(fmt["regex"], text), text
+    for method in METHODS[1:]:
+        for budget in ("auto", 6):
+            got = pipe.generate(input_ids=prompt, method=method, max_new_tokens=20, budget=budget, response_format=fmt,
+                                stop_token_ids=[0])
+            assert got.token_ids == want and got.stats.finish_reason == ar.stats.finish_reason, (method, budget)
+
+
+def test_forced_tokens_are_accepted_for_free_and_pruned_nodes_cost_no_row(pipelines, grammars):
+    """A choice list forces most of its tokens: a speculating method accepts them in few rounds, and no
+    verified node ever carries a token the grammar forbids there."""
+    pipe = with_grammars(pipelines[("llama", "domino")], grammars)
+    fmt = {"choice": ["ab1212121212", "c"]}
+    ar = pipe.generate(input_ids=[1, 2], method="ar", max_new_tokens=20, response_format=fmt, stop_token_ids=[0])
+    tree = pipe.generate(input_ids=[1, 2], method="dartree", budget=8, max_new_tokens=20, response_format=fmt,
+                         stop_token_ids=[0])
+    assert tree.token_ids == ar.token_ids and ar.stats.rounds == len(ar.token_ids) - 1  # the first comes with the prompt
+    if ar.token_ids[0] == 1:  # "ab1212121212": after "a" the rest is forced
+        assert tree.stats.rounds <= 3
+    constraint = Constraint(grammars.compile(OutputFormat.parse({"regex": "(ab|c)+"})), VOCAB)
+    from dartree.trees import DraftTree
+    drafted = DraftTree.from_lists([1, 3, 2, 1, 6], [0, 0, 1, 3, 0], [1, 1, 2, 3, 1])  # "a", "c", "ab", "aba", "1"
+    drafted.log_probs = torch.tensor([-0.1, -0.2, -0.3, -0.4, -0.05], dtype=torch.float64)
+    drafted.rank = torch.tensor([4, 0, 1, 2, 3])
+    pruned = constraint.prune(drafted)
+    assert pruned.paths() == {(1,), (3,), (1, 2), (1, 2, 1)} and pruned.rank.tolist() == [0, 1, 2, 3]
+
+
+def test_a_constrained_request_and_free_ones_share_rounds_each_as_alone(pipelines, grammars):
+    pipe = with_grammars(pipelines[("qwen3", "markov")], grammars)
+    from dartree.settings import GenerationSettings
+    from dartree.trees import TreeSettings
+
+    settings_ = GenerationSettings(method="dartree", max_new_tokens=16, tree=TreeSettings(budget=8))
+    asks = [([1, 2, 3], FORMATS[0]), ([4, 5], None), ([6, 1], FORMATS[1]), ([2, 2], None)]
+    alone = [pipe.generate(input_ids=p, settings=settings_, response_format=f, stop_token_ids=[0]).token_ids for p, f in asks]
+    engine = pipe.engine(4)
+    requests = [pipe.request(torch.tensor(p), settings_, [0], alone=False, response_format=f) for p, f in asks]
+    for r in requests:
+        engine.submit(r)
+    engine.run()
+    assert [r.output for r in requests] == alone
+
+
+@pytest.mark.parametrize("fmt, message", [
+    ({"regex": "(ab"}, "the regex does not compile"),
+    ({"json_schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}, "invalid"),
+    ({"grammar": "start: nothing_defined_here"}, "invalid grammar"),
+    ({"type": "json_schema"}, "needs a 'json_schema' object"),
+    ({"type": "xml"}, "unsupported response_format type"),
+    ({"regex": "a", "choice": ["b"]}, "give one structured output format"),
+    ({"choice": []}, "non-empty list"),
+])
+def test_bad_formats_are_refused_before_decoding(pipelines, grammars, fmt, message):
+    pipe = with_grammars(pipelines[("llama", "domino")], grammars)
+    with pytest.raises(DartreeError, match=message):
+        pipe.generate(input_ids=[1], method="dartree", max_new_tokens=4, response_format=fmt)
+
+
+def test_openai_and_vllm_spellings_name_the_same_format():
+    from pydantic import BaseModel
+
+    from dartree.server.protocol import RequestError, structured_format
+
+    class Person(BaseModel):
+        name: str
+        age: int
+
+    schema = Person.model_json_schema()
+    same = [OutputFormat.parse(Person), OutputFormat.parse(schema),
+            OutputFormat.parse({"type": "json_schema", "json_schema": {"name": "p", "schema": schema, "strict": True}}),
+            OutputFormat.parse(structured_format({"guided_json": schema})),
+            OutputFormat.parse(structured_format({"json_schema": schema})),
+            OutputFormat.parse(structured_format({"structured_outputs": {"json": schema}}))]
+    assert all(f == same[0] for f in same) and same[0].kind == "json_schema"
+    assert OutputFormat.parse(structured_format({"guided_choice": ["x", "y"]})).kind == "choice"
+    assert structured_format({"response_format": {"type": "text"}}) is None
+    with pytest.raises(RequestError, match="give one structured output format"):
+        structured_format({"guided_regex": "a", "response_format": {"type": "json_object"}})
+
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"colors": {"type": "array", "items": {"type": "string", "enum": ["red", "green", "blue"]},
+                                                 "minItems": 1, "maxItems": 3}}, "required": ["colors"]},
+    {"type": "object", "properties": {"city": {"type": "object", "properties": {"name": {"type": "string"},
+                                                                                  "population": {"type": "number"}},
+                                               "required": ["name", "population"]}}, "required": ["city"]},
+]
+
+
+@pytest.fixture(scope="module")
+def default_pipe():
+    import dartree
+
+    return dartree.load()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schema", SCHEMAS)
+def test_the_default_model_answers_valid_json_with_every_method_alike(default_pipe, schema):
+    import jsonschema
+
+    messages = [{"role": "user", "content": "Answer in JSON: describe something from everyday life."}]
+    ar = default_pipe.generate(messages=messages, method="ar", max_new_tokens=64, response_format=schema)
+    assert ar.stats.finish_reason == "stop"
+    jsonschema.validate(json.loads(ar.text), schema)
+    for method in ("dartree", "ngram", "ddtree"):
+        got = default_pipe.generate(messages=messages, method=method, max_new_tokens=64, response_format=schema)
+        assert got.token_ids == ar.token_ids, method
