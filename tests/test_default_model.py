@@ -70,6 +70,30 @@ def test_the_server_answers_like_ar_on_the_default_model(pipe):
     assert res.choices[0].message.content == want == streamed
 
 
+def test_the_openai_clients_parse_gets_a_pydantic_object_from_the_server(pipe):
+    """Structured output through `dartree serve` with the real client: ``parse`` with a Pydantic model
+    returns a valid object, the text constrained ar writes; a bad schema is a 400 before decoding."""
+    import openai
+    from pydantic import BaseModel
+    from test_server import LiveServer
+
+    from dartree.server import create_app
+
+    class Answer(BaseModel):
+        result: int
+        unit: str
+
+    messages = [{"role": "user", "content": PROMPTS[0] + " Answer in JSON."}]
+    want = pipe.generate(messages=messages, method="ar", max_new_tokens=48, response_format=Answer).text
+    with LiveServer(create_app(dartree.load())) as server:
+        api = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        res = api.chat.completions.parse(model="dartree", messages=messages, temperature=0, max_tokens=48,
+                                         response_format=Answer)
+        with pytest.raises(openai.BadRequestError, match="regex does not compile"):
+            api.chat.completions.create(model="dartree", messages=messages, max_tokens=8, extra_body={"guided_regex": "(a"})
+    assert isinstance(res.choices[0].message.parsed, Answer) and res.choices[0].message.content == want
+
+
 def test_two_first_runs_at_once_share_one_converted_checkpoint(tmp_path):
     """Two processes converting on a fresh machine: the later finished copy yields to the first."""
     from dartree.default_model import publish
