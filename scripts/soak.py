@@ -137,7 +137,8 @@ def bad_bodies(model: str) -> list[tuple[str, bytes]]:
 # ---------------------------------------------------------------- one request and its record
 def record(kind: str, outcome: str, ask: Ask | None = None, status: int | None = None, **fields) -> dict:
     """What a client saw. outcome: completed (a whole answer), hung_up (the client dropped the stream),
-    gave_up (the client stopped waiting), refused (the status its kind expects), busy (429), failed."""
+    gave_up (the client stopped waiting), refused (the status its kind expects), busy (429), failed,
+    timed_out (no answer within --request-timeout: a violation, though the server may still serve it)."""
     return {"kind": kind, "outcome": outcome, "ask": ask.name if ask else None, "status": status, **fields}
 
 
@@ -311,6 +312,9 @@ class Soak:
                 for kind in plan(rng):
                     try:
                         records.append(self.run_kind(http, kind, rng))
+                    except httpx.TimeoutException as exc:  # a violation, but the server may still have served it
+                        records.append(record(kind, "timed_out", problem=f"{type(exc).__name__} after "
+                                              f"{self.args.request_timeout:g} s (--request-timeout): {exc}"))
                     except (httpx.HTTPError, ValueError, KeyError) as exc:
                         records.append(record(kind, "failed", problem=f"{type(exc).__name__}: {exc}"))
             return records
@@ -388,7 +392,7 @@ def check_records(records: list[dict], alone: dict[str, str]) -> list[str]:
     for r in records:
         ids.update(r.get("ids", []))
         want = alone.get(r["ask"])
-        if r["outcome"] == "failed":
+        if r["outcome"] in ("failed", "timed_out"):
             violations.append(f"{r['kind']}{' ' + r['ask'] if r['ask'] else ''}: {r['problem']}")
         elif r["outcome"] == "completed" and r["text"] != want:
             violations.append(f"{r['kind']} {r['ask']}: the answer {r['text']!r} is not the one served alone, {want!r}")
@@ -408,6 +412,7 @@ def check_accounting(records: list[dict], before: dict[str, float], after: dict[
 
     outcomes = Counter(r["outcome"] for r in records)
     completed, hung_up, gave_up = outcomes["completed"], outcomes["hung_up"], outcomes["gave_up"]
+    gave_up += outcomes["timed_out"]  # like a request given up on: the server may have served it
     ok, cancelled, error = (grew(name) for name in ENDED)
     ended, tokens = ok + cancelled + error, grew(TOKENS)
     seen_tokens = sum(r["tokens"] for r in records if r["outcome"] == "completed")
@@ -419,7 +424,8 @@ def check_accounting(records: list[dict], before: dict[str, float], after: dict[
                           f"accepted ({completed} completed, {hung_up} hung up on)")
     if ended > completed + hung_up + gave_up:
         violations.append(f"duplicated: the server ended {ended:g} requests, more than the {completed + hung_up + gave_up} "
-                          f"it can have accepted ({completed} completed, {hung_up} hung up on, {gave_up} given up on)")
+                          f"it can have accepted ({completed} completed, {hung_up} hung up on, {gave_up} given up on "
+                          "or timed out)")
     if ok < completed:
         violations.append(f"the server counted {ok:g} requests served to the end, fewer than the {completed} completed")
     if not seen_tokens <= tokens <= seen_tokens + max(ok - completed, 0) * max_tokens:
