@@ -24,6 +24,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy
 import torch
 
 from .errors import DartreeError, require
@@ -165,32 +166,28 @@ class Constraint:
         self.vocab_size = vocab_size
         self._bitmask = llt.allocate_token_bitmask(1, vocab_size)
         self._fill = llt.fill_next_token_bitmask
-        self._bits = torch.tensor([1 << i for i in range(32)], dtype=torch.int64)
 
     def _allowed(self) -> torch.Tensor:
-        """The tokens the grammar allows now, [V] bool."""
+        """The tokens the grammar allows now, [V] bool (bit k of the mask's byte j is token 8j + k; numpy
+        unpacks the bits several times faster than torch's indexing does)."""
         self._fill(self.matcher, self._bitmask, 0)
-        words = self._bitmask[0].to(torch.int64) & 0xFFFFFFFF
-        allowed = (words[:, None] & self._bits).ne(0).reshape(-1)
-        return allowed[:self.vocab_size]
+        bits = torch.from_numpy(numpy.unpackbits(self._bitmask.numpy().view(numpy.uint8), bitorder="little")).bool()
+        if bits.numel() < self.vocab_size:  # logits wider than the tokenizer: the extra ids are never allowed
+            bits = torch.cat([bits, bits.new_zeros(self.vocab_size - bits.numel())])
+        return bits[:self.vocab_size]
 
     def mask(self, logits: torch.Tensor, paths: list[tuple[int, ...]]) -> torch.Tensor:
         """``logits`` [n, V] with the tokens the grammar forbids after each row's path at -inf. A row
         whose path leaves the grammar is never on an accepted path (every committed token was allowed),
         so its logits are left as they are."""
-        rows = []
-        for path in paths:
+        allowed = torch.ones(logits.shape, dtype=torch.bool)
+        for i, path in enumerate(paths):
             taken = self.matcher.try_consume_tokens(list(path)) if path else 0
-            allowed = self._allowed() if taken == len(path) else None
+            if taken == len(path):
+                allowed[i] = self._allowed()
             if taken:
                 self.matcher.rollback(taken)
-            rows.append(allowed)
-        out = logits.clone()
-        for i, allowed in enumerate(rows):
-            if allowed is not None:
-                out[i, :allowed.numel()] = out[i, :allowed.numel()].masked_fill(~allowed.to(out.device), float("-inf"))
-                out[i, allowed.numel():] = float("-inf")
-        return out
+        return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
     def prune(self, tree: DraftTree) -> DraftTree:
         """The tree without the nodes whose path the grammar forbids after the committed text: they could
