@@ -155,3 +155,49 @@ def test_ngram_proposals_keep_the_targets_distribution(small_pipes, method, extr
     assert drafted >= SAMPLES // 2 and accepted >= SAMPLES // 20, (drafted, accepted)
     rejected, stat, crit = chi_square_rejects(counts, exact_joint(pipe.target_model, REPEATING, 3), SAMPLES)
     assert not rejected, f"{method} {extra}: chi-square {stat:.1f} > {crit:.1f}"
+
+
+GRAMMAR_TOKENS = [b"<eos>", b"a", b"b", b"c"]
+FORCING = {"regex": "ab[abc]+|c[ab]a[abc]*"}  # after "a" a "b" is forced, after "ca" or "cb" an "a"
+
+
+class _Vocabulary:
+    eos_token_id, bos_token_id, special_token_ids, tokens = 0, None, [0], GRAMMAR_TOKENS
+
+    def __call__(self, text):
+        return [GRAMMAR_TOKENS.index(bytes([c])) for c in text if bytes([c]) in GRAMMAR_TOKENS]
+
+
+@pytest.mark.parametrize("method", ["ar", "dartree", "ngram", "ddtree", "dflash"])
+def test_structured_output_samples_the_constrained_distribution(small_pipes, method):
+    """At T = 1 under a grammar that forbids and forces tokens: the joint of the three sampled tokens is
+    the target's distribution renormalised over what the grammar allows at each step (by enumeration)."""
+    import llguidance
+
+    from dartree.structured import Constraint, Grammars, OutputFormat
+
+    pipe = small_pipes["domino"]
+    pipe._grammars = grammars = Grammars(llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocabulary())), VOCAB)
+    fmt = OutputFormat.parse(FORCING)
+    truth = {}
+    for seq in itertools.product(range(VOCAB), repeat=3):
+        constraint, p = Constraint(grammars.compile(fmt), VOCAB), 1.0
+        with torch.no_grad():
+            logits = pipe.target_model(torch.tensor([PROMPT + list(seq)])).logits[0, len(PROMPT) - 1:]
+        for i, token in enumerate(seq):
+            p *= constraint.mask(logits[i:i + 1], [()]).softmax(-1)[0, token].item()
+            if p == 0.0:
+                break
+            constraint.advance([token])
+        truth[seq] = p
+    counts, forced = {}, 0
+    for seed in range(SAMPLES):
+        res = pipe.generate(input_ids=PROMPT, method=method, max_new_tokens=3, temperature=1.0, seed=seed, budget=4,
+                            stop_token_ids=[], response_format=FORCING)
+        counts[tuple(res.token_ids)] = counts.get(tuple(res.token_ids), 0) + 1
+        forced += res.stats.acceptance_lengths[0] >= 2
+    assert set(counts) <= {s for s, p in truth.items() if p > 0}
+    if method != "ar":
+        assert forced >= SAMPLES // 4, forced  # the forced tokens were verified and accepted in the first round
+    rejected, stat, crit = chi_square_rejects(counts, truth, SAMPLES)
+    assert not rejected, f"{method}: chi-square {stat:.1f} > {crit:.1f}"
