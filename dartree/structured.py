@@ -181,12 +181,21 @@ class Constraint:
         whose path leaves the grammar is never on an accepted path (every committed token was allowed),
         so its logits are left as they are."""
         allowed = torch.ones(logits.shape, dtype=torch.bool)
+        held: list[int] = []  # the tokens consumed beyond the committed text, as the walk's rows share prefixes
         for i, path in enumerate(paths):
-            taken = self.matcher.try_consume_tokens(list(path)) if path else 0
-            if taken == len(path):
+            shared = 0
+            while shared < min(len(held), len(path)) and held[shared] == path[shared]:
+                shared += 1
+            if len(held) > shared:
+                self.matcher.rollback(len(held) - shared)
+                del held[shared:]
+            rest = list(path[shared:])
+            taken = self.matcher.try_consume_tokens(rest) if rest else 0
+            held += rest[:taken]
+            if taken == len(rest):
                 allowed[i] = self._allowed()
-            if taken:
-                self.matcher.rollback(taken)
+        if held:
+            self.matcher.rollback(len(held))
         return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
     def prune(self, tree: DraftTree) -> DraftTree:

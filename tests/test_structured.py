@@ -178,3 +178,19 @@ def test_the_default_model_answers_valid_json_with_every_method_alike(default_pi
     for method in ("dartree", "ngram", "ddtree"):
         got = default_pipe.generate(messages=messages, method=method, max_new_tokens=64, response_format=schema)
         assert got.token_ids == ar.token_ids, method
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(paths=st.lists(st.lists(st.integers(1, VOCAB - 1), max_size=5).map(tuple), min_size=1, max_size=6),
+       fmt=st.sampled_from(FORMATS))
+def test_masks_of_many_rows_are_each_rows_own(grammars, paths, fmt):
+    """Rows masked together (the grammar rolled back only as far as their paths differ) get what each
+    gets alone, and the committed state is left as it was."""
+    compiled = OutputFormat.parse(fmt)
+    together = Constraint(grammars.compile(compiled), VOCAB)
+    logits = torch.randn(len(paths), VOCAB, dtype=torch.float64)
+    got = together.mask(logits, paths)
+    for i, path in enumerate(paths):
+        alone = Constraint(grammars.compile(compiled), VOCAB)
+        assert torch.equal(got[i], alone.mask(logits[i:i + 1], [path])[0])
+    assert torch.equal(together.mask(logits[:1], [()]), Constraint(grammars.compile(compiled), VOCAB).mask(logits[:1], [()]))
