@@ -29,7 +29,7 @@ import torch
 
 from .errors import DartreeError, require
 from .trees.common import merge_ranked
-from .trees.tree import DraftTree, subtree
+from .trees.tree import DraftTree
 
 FORMAT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 JSON_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")  # a bare schema's "type"
@@ -207,15 +207,7 @@ class Constraint:
         if all(valid):
             return tree
         keep = torch.tensor([i for i, ok in enumerate(valid) if ok], dtype=torch.long, device=tree.tokens.device)
-        pruned = subtree(tree.tokens, tree.parents, tree.depths, keep)  # valid paths are closed under prefixes
-        if tree.log_probs is not None:
-            pruned.log_probs = tree.log_probs[keep]
-        if tree.rank is not None:
-            position = torch.full((len(tree),), -1, dtype=torch.long, device=keep.device)
-            position[keep] = torch.arange(keep.numel(), device=keep.device)
-            ranked = position[tree.rank]
-            pruned.rank = ranked[ranked >= 0]
-        return pruned
+        return tree.restricted(keep)  # valid paths are closed under prefixes
 
     def shape(self, tree: DraftTree, force: bool = True) -> DraftTree:
         """The round's tree under the grammar: pruned (``prune``), and where the grammar allows exactly

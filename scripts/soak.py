@@ -47,7 +47,6 @@ import random
 import secrets
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -356,11 +355,9 @@ def settle(http, timeout_s: float) -> tuple[dict[str, float], list[str]]:
 
 def start_server(args, key: str) -> subprocess.Popen:
     """``dartree serve`` on a free loopback port (``args.base_url`` set to it), with ``key`` as its API key."""
-    from dartree.bench.llama_cpp import wait_healthy
+    from dartree.bench.llama_cpp import free_port, wait_healthy
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     args.base_url = f"http://127.0.0.1:{port}"
     log_path = args.out.with_suffix(".server.log")
     command = [sys.executable, "-m", "dartree.cli", "serve", *shlex.split(args.server_args),

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 import urllib.request
 from collections import defaultdict
@@ -30,6 +29,7 @@ from tqdm import tqdm
 import dartree
 from dartree import structured
 from dartree.bench import llama_cpp
+from dartree.hardware import describe_machine
 
 PROMPTS = Path(__file__).with_name("structured_prompts.jsonl")
 
@@ -120,10 +120,8 @@ def summary(records, peer, args, pipe) -> str:
     def rate(key):
         return total(key, "new_tokens") / total(key, "decode_seconds")
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
     lines = [f"# Structured output, {len(records)} schema-bound prompts, T = 0, {args.max_new_tokens} tokens at most",
-             "", f"CPU: {cpu}, {args.threads} threads, torch {torch.__version__}, target {pipe.target.name}; one run, one process.",
+             "", f"CPU: {describe_machine()}, {args.threads} threads, torch {torch.__version__}, target {pipe.target.name}; one run, one process.",
              "", "| run | valid | = constrained ar | tokens/s | x constrained ar | tau | grammar share of decode |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     ar_rate = rate("ar")

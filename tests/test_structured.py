@@ -9,9 +9,10 @@ import torch
 from conftest import VOCAB
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tiny import byte_grammars
 
 from dartree.errors import DartreeError
-from dartree.structured import Constraint, Grammars, OutputFormat
+from dartree.structured import Constraint, OutputFormat
 
 TOKENS = [b"<eos>", b"a", b"b", b"c", b"{", b"}", b"1", b"2"]  # token 0 ends the text
 assert len(TOKENS) == VOCAB
@@ -20,21 +21,9 @@ FORMATS = [{"regex": "(ab|c)+"}, {"regex": "a[bc]*1{2,5}"}, {"choice": ["abc", "
 METHODS = ("ar", "dflash", "ddtree", "dartree", "dartree-fixed", "ngram", "ngram-chain")
 
 
-class ByteVocabulary:
-    """What llguidance needs of a tokenizer: each token's bytes, the end token, and an encoder."""
-
-    eos_token_id, bos_token_id, special_token_ids = 0, None, [0]
-    tokens = TOKENS
-
-    def __call__(self, text: bytes) -> list[int]:  # bytes outside the vocabulary are dropped
-        return [TOKENS.index(bytes([c])) for c in text if bytes([c]) in TOKENS]
-
-
 @pytest.fixture(scope="module")
 def grammars():
-    import llguidance
-
-    return Grammars(llguidance.LLTokenizer(llguidance.TokenizerWrapper(ByteVocabulary())), VOCAB)
+    return byte_grammars(TOKENS)
 
 
 def with_grammars(pipe, grammars):

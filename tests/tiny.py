@@ -128,3 +128,23 @@ def make_tiny_drafter(
             model.d2t.copy_(ids - torch.arange(draft_vocab))
     save_drafter(model, directory)
     return Path(directory)
+
+
+def byte_grammars(tokens: list[bytes]):
+    """Structured output's compiled formats (``structured.Grammars``) for a tiny vocabulary whose token
+    i is ``tokens[i]`` and token 0 ends the text: the tiny targets' word-level tokenizer has no bytes
+    the grammar engine could read."""
+    import llguidance
+
+    from dartree.structured import Grammars
+
+    class Vocabulary:  # what llguidance needs of a tokenizer: each token's bytes, the end token, an encoder
+        eos_token_id, bos_token_id, special_token_ids = 0, None, [0]
+
+        def __init__(self):
+            self.tokens = tokens
+
+        def __call__(self, text) -> list[int]:  # bytes outside the vocabulary are dropped
+            return [tokens.index(bytes([c])) for c in text if bytes([c]) in tokens]
+
+    return Grammars(llguidance.LLTokenizer(llguidance.TokenizerWrapper(Vocabulary())), len(tokens))

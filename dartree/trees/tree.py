@@ -26,12 +26,18 @@ class DraftTree:
             raise DartreeError("this tree carries no ranking; only ranked trees (dartree) can be cut to a prefix")
         if budget >= len(self):
             return self
-        keep = self.rank[:budget].sort().values
+        return self.restricted(self.rank[:budget].sort().values)
+
+    def restricted(self, keep: torch.Tensor) -> "DraftTree":
+        """The tree of the sorted, ancestor-closed node set ``keep``, with the kept nodes' scores and,
+        for a ranked tree, their ranking in its order."""
         cut = subtree(self.tokens, self.parents, self.depths, keep)
         cut.log_probs = self.log_probs[keep] if self.log_probs is not None else None
-        positions = torch.full((len(self),), -1, dtype=torch.long, device=keep.device)
-        positions[keep] = torch.arange(keep.numel(), device=keep.device)
-        cut.rank = positions[self.rank[:budget]]
+        if self.rank is not None:
+            positions = torch.full((len(self),), -1, dtype=torch.long, device=keep.device)
+            positions[keep] = torch.arange(keep.numel(), device=keep.device)
+            ranked = positions[self.rank]
+            cut.rank = ranked[ranked >= 0]
         return cut
 
     def __len__(self) -> int:
