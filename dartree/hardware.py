@@ -83,6 +83,14 @@ def describe_machine() -> str:
 _threads_chosen: int | None = None  # the count set_threads last chose (None: torch's own default still stands)
 
 
+def resident_mb(pid: int | str = "self") -> float:
+    """A process's resident memory (VmRSS) in MB, from /proc; raises where it cannot be read."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise DartreeError(f"no VmRSS in /proc/{pid}/status")
+
+
 def set_threads(threads: int | None) -> int:
     """Use ``threads`` CPU threads for torch; returns the count in use. ``None`` keeps a count chosen
     earlier in the process (the command line chooses once, before anything loads), else takes

@@ -14,8 +14,9 @@ of the seven benchmarks, each prompt once, streamed, T = 0) through the OpenAI A
 - ``llama-server -np C`` on the F32 GGUF of the same weights and on the shipped Q4_1 file.
 
 Reported per (engine, C): throughput (completion tokens over the wall time from the first request
-to the last answer), p50/p95 latency, p50 time to first token, resident memory, and for dartree how
-many answers differ from the same request served at C = 1. Writes summary.json, records.jsonl,
+to the last answer), p50/p95 latency, p50/p95/p99 time to first token, resident memory, and for dartree how
+many answers differ from the same request served at the first C; the throughput ratio is against the
+first of ``--peers``. Writes summary.json, records.jsonl,
 table.md (the table) and load.png.
 """
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import signal
 import statistics
 import subprocess
@@ -32,13 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def rss_mb(pid: int | str = "self") -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+PEERS = {"llama.cpp-f32": ("llama.cpp F32", 18091), "llama.cpp-q4_1": ("llama.cpp Q4_1", 18092)}  # name: (label, port)
 
 
 def start_dartree(method: str, threads: int, slots: int, port: int, max_tokens: int) -> subprocess.Popen:
@@ -86,12 +82,20 @@ def run_clients(base_url: str, model: str, prompts: list[str], clients: int, max
     return records, time.perf_counter() - start
 
 
+def percentile(values: list[float], q: float) -> float:
+    """The nearest-rank q-quantile (0 < q <= 1): the smallest value with at least q of them at or below it."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered), max(1, math.ceil(q * len(ordered) - 1e-9))) - 1]
+
+
 def summarize(records: list[dict], wall: float) -> dict:
-    lat = sorted(r["latency_s"] for r in records)
+    lat = [r["latency_s"] for r in records]
+    ttft = [r["ttft_s"] for r in records]
     tokens = sum(r["completion_tokens"] for r in records)
     return {"tokens_per_second": round(tokens / wall, 1), "completion_tokens": tokens, "wall_s": round(wall, 2),
-            "p50_latency_s": round(statistics.median(lat), 2), "p95_latency_s": round(lat[min(len(lat) - 1, int(0.95 * len(lat)))], 2),
-            "p50_ttft_s": round(statistics.median(r["ttft_s"] for r in records), 3)}
+            "p50_latency_s": round(statistics.median(lat), 2), "p95_latency_s": round(percentile(lat, 0.95), 2),
+            "p50_ttft_s": round(statistics.median(ttft), 3), "p95_ttft_s": round(percentile(ttft, 0.95), 3),
+            "p99_ttft_s": round(percentile(ttft, 0.99), 3)}
 
 
 def main() -> None:
@@ -103,6 +107,8 @@ def main() -> None:
     ap.add_argument("--methods", default="ar,dartree",
                     help="dartree methods to serve, comma-separated: a name (budget auto where ranked) or name:budget "
                          "for a fixed per-request budget, e.g. ar,dartree,dartree:8")
+    ap.add_argument("--peers", default="llama.cpp-f32,llama.cpp-q4_1",
+                    help="llama-server peers, comma-separated, from: " + ", ".join(PEERS) + " (default both)")
     ap.add_argument("--no-llama", action="store_true", help="skip the llama.cpp columns")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -112,7 +118,7 @@ def main() -> None:
     import dartree
     from dartree.bench import llama_cpp
     from dartree.bench.datasets import DATASETS, load_samples, select
-    from dartree.hardware import describe_machine
+    from dartree.hardware import describe_machine, resident_mb
 
     per = -(-args.prompts // len(DATASETS))
     prompts = [s.turns[0] for ds in DATASETS for s in select(load_samples(ds), per)][: args.prompts]
@@ -125,7 +131,7 @@ def main() -> None:
             proc = start_dartree(method, args.threads, c, 18090, args.max_tokens)
             try:
                 recs, wall = run_clients("http://127.0.0.1:18090/v1", "dartree", prompts, c, args.max_tokens, {})
-                memory = rss_mb(proc.pid)
+                memory = resident_mb(proc.pid)
             finally:
                 proc.send_signal(signal.SIGINT)
                 proc.wait(timeout=30)
@@ -139,12 +145,15 @@ def main() -> None:
     if not args.no_llama:
         if llama_cpp.missing():
             raise SystemExit(f"{llama_cpp.missing()} (or pass --no-llama)")
-        for label, peer, port in (("llama.cpp F32", "llama.cpp-f32", 18091), ("llama.cpp Q4_1", "llama.cpp-q4_1", 18092)):
+        for peer in args.peers.split(","):
+            if peer not in PEERS:
+                raise SystemExit(f"unknown peer {peer!r}; choose from {', '.join(PEERS)}")
+            label, port = PEERS[peer]
             for c in levels:
                 with llama_cpp.LlamaServer(llama_cpp.peer_weights(peer), args.threads, port, slots=c, context_per_slot=2048) as server:
                     recs, wall = run_clients(f"{server.base_url}/v1", "x", prompts, c, args.max_tokens,
                                              {"top_k": 1, "seed": 0, "cache_prompt": False})
-                    row = {"engine": label, "concurrency": c, **summarize(recs, wall), "rss_mb": round(rss_mb(server.proc.pid), 0),
+                    row = {"engine": label, "concurrency": c, **summarize(recs, wall), "rss_mb": round(resident_mb(server.proc.pid), 0),
                            "server_flags": " ".join(server.flags)}
                 rows.append(row)
                 records += [{"engine": label, "concurrency": c, **r} for r in recs]
@@ -155,13 +164,14 @@ def main() -> None:
                "max_tokens": args.max_tokens, "command": " ".join(sys.argv), "rows": rows}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     (out / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    f32_at = {r["concurrency"]: r["tokens_per_second"] for r in rows if r["engine"] == "llama.cpp F32"}
-    lines = ["| engine | clients | tok/s | x llama.cpp F32 | p50 latency s | p95 s | p50 TTFT s | RSS MB | answers != alone |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    reference = next((PEERS[p][0] for p in args.peers.split(",") if not args.no_llama), None)  # the ratio's denominator
+    peer_at = {r["concurrency"]: r["tokens_per_second"] for r in rows if r["engine"] == reference}
+    lines = [f"| engine | clients | tok/s | x {reference or 'llama.cpp'} | p50 latency s | p95 s | p50 TTFT s | p99 TTFT s | RSS MB | answers != alone |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        ratio = f"{r['tokens_per_second'] / f32_at[r['concurrency']]:.2f}" if r["concurrency"] in f32_at else "-"
+        ratio = f"{r['tokens_per_second'] / peer_at[r['concurrency']]:.2f}" if r["concurrency"] in peer_at else "-"
         lines.append(f"| {r['engine']} | {r['concurrency']} | {r['tokens_per_second']} | {ratio} | {r['p50_latency_s']} | "
-                     f"{r['p95_latency_s']} | {r['p50_ttft_s']} | {r['rss_mb']:.0f} | {r.get('answers_differing_from_alone', '-')} |")
+                     f"{r['p95_latency_s']} | {r['p50_ttft_s']} | {r['p99_ttft_s']} | {r['rss_mb']:.0f} | {r.get('answers_differing_from_alone', '-')} |")
     (out / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     import matplotlib

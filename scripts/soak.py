@@ -18,8 +18,8 @@ kinds at random (seeded) until --minutes or --requests runs out:
   served alone;
 - over_limit: the longest accepted prompt and one word more (400);
 - hang_up: a stream the client drops after a chunk or two (its text so far a prefix of the answer alone);
-- give_up: a request the client stops waiting for after a fraction of a second (the server, which cannot
-  see it, finishes it);
+- give_up: a request the client stops waiting for after a fraction of a second (the server sees the
+  hang-up within a quarter second and cancels it, unless it finished first);
 - bad_body: malformed JSON, wrong types, out-of-range values (400);
 - oversize: a body one byte over --max-body-bytes, with a Content-Length and chunked (413);
 - no_key: with an API key, a request without one or with a wrong one (401).
@@ -60,6 +60,7 @@ from urllib.parse import urlsplit
 import httpx2 as httpx  # the HTTP client the openai package uses; it streams and sends chunked bodies
 
 from dartree.cli.serve import API_KEY_ENV, is_loopback
+from dartree.hardware import resident_mb
 from dartree.server import ServerLimits
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -101,13 +102,6 @@ class Budget:
                 return False
             self.left -= 1
             return True
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS in /proc/{pid}/status")
 
 
 def words(n: int) -> str:
@@ -454,7 +448,7 @@ def soak(args, pid: int, key: str | None) -> dict:
         runner.serve_alone(http)
         warm_up = runner.run_clients(lambda rng: rng.sample(runner.kinds, len(runner.kinds)))
         before, violations = settle(http, args.request_timeout)
-        after_warm_up_mb = rss_mb(pid)
+        after_warm_up_mb = resident_mb(pid)
         budget = Budget(args.requests, args.minutes * 60)
         weights = [KINDS[kind] for kind in runner.kinds]
 
@@ -466,7 +460,7 @@ def soak(args, pid: int, key: str | None) -> dict:
         load = runner.run_clients(load_plan)
         load_s = time.monotonic() - load_started
         after, unsettled = settle(http, args.request_timeout)
-        after_load_mb = rss_mb(pid)
+        after_load_mb = resident_mb(pid)
     violations += unsettled + check_records(warm_up + load, runner.alone)
     violations += check_accounting(load, before, after, args.max_tokens) + check_memory(after_warm_up_mb, after_load_mb)
     outcomes: dict[str, Counter] = {}

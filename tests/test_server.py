@@ -206,6 +206,27 @@ def test_a_disconnect_mid_stream_frees_the_engine(served):
     assert _metric(server, 'dartree:requests_total{status="cancelled"}') == before + 1
 
 
+def test_a_client_gone_before_its_whole_answer_frees_the_engine(served, monkeypatch):
+    """Not streamed: the server polls for the hang-up and cancels the request as it does a stream's."""
+    import dartree.server.app as app_module
+
+    monkeypatch.setattr(app_module, "DISCONNECT_POLL_S", 0.005)
+    server, reference = served
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "w1 w2"}], "max_tokens": 240, "temperature": 0,
+            "method": "ar"}
+    before = _metric(server, 'dartree:requests_total{status="cancelled"}')
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/chat/completions", json=body, timeout=0.02)
+    deadline = time.time() + 10
+    while _metric(server, 'dartree:requests_total{status="cancelled"}') < before + 1 and time.time() < deadline:
+        time.sleep(0.05)
+    assert _metric(server, 'dartree:requests_total{status="cancelled"}') == before + 1
+    want, _ = ar_text(reference, [{"role": "user", "content": "w9"}], n=6)  # and the next request is served as alone
+    res = client(server).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w9"}], temperature=0,
+                                                 max_tokens=6)
+    assert res.choices[0].message.content == want
+
+
 @pytest.mark.parametrize("body, message", [
     ("{not json", "not valid JSON"),
     (json.dumps([1, 2]), "must be a JSON object"),

@@ -13,6 +13,10 @@ from ..settings import GenerationSettings
 from .protocol import RequestError, ServerLimits, TextAssembler, parse_request, structured_format
 from .worker import EngineWorker, Job
 
+# how often a request that is not streamed checks that its client is still there (a stream learns it
+# when a write fails); a hang-up is seen within this time and the engine drops the request a round later
+DISCONNECT_POLL_S = 0.25
+
 
 def create_app(pipe, defaults: GenerationSettings | None = None, model_name: str = "dartree", max_queue: int = 16,
                max_batch: int = 1, limits: ServerLimits | None = None, api_keys: tuple[str, ...] = (),
@@ -188,7 +192,7 @@ def _submit(served: _Served, raw: bytes, chat: bool):
 
 
 async def _completion(served: _Served, request, chat: bool):
-    from fastapi.responses import StreamingResponse
+    from fastapi.responses import Response, StreamingResponse
 
     try:
         job, stream, include_usage = _submit(served, await _read_body(request, served.limits), chat)
@@ -201,7 +205,14 @@ async def _completion(served: _Served, request, chat: bool):
     if stream:
         return StreamingResponse(_stream(served, job, rid, created, kind, chat, prompt_tokens, include_usage),
                                  media_type="text/event-stream")
-    text, result, finish = await _collect(served, job)
+    collecting = asyncio.ensure_future(_collect(served, job))
+    while not (await asyncio.wait({collecting}, timeout=DISCONNECT_POLL_S))[0]:
+        if await request.is_disconnected():
+            # nobody will read the answer: free the slot at the engine's next round, as a stream does
+            job.cancelled.set()
+            await collecting
+            return Response(status_code=499)
+    text, result, finish = collecting.result()
     if result is None:
         return _error(RequestError(f"internal error: {finish}", status=500, kind="server_error"))
     choice = {"index": 0, "finish_reason": finish, "logprobs": None}

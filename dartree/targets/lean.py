@@ -172,8 +172,11 @@ class KVStore:
         self.slots = slots
         self.lengths = [0] * slots
         shape = (len(weights.layers), slots, weights.kv_heads, capacity, weights.head_dim)
-        self.k = torch.zeros(shape, dtype=weights.dtype)
-        self.v = torch.zeros(shape, dtype=weights.dtype)
+        # never zero-filled: attention reads a slot's committed rows and the rows its forward has just
+        # written, nothing else, so the pages of positions no request has reached stay unallocated
+        # (a store sized for a long prompt in one slot costs memory only where it is written)
+        self.k = torch.empty(shape, dtype=weights.dtype)
+        self.v = torch.empty(shape, dtype=weights.dtype)
 
     @property
     def capacity(self) -> int:
@@ -186,8 +189,9 @@ class KVStore:
         size = min(max(need, 2 * self.capacity), max(self.weights.max_positions, need))
         for name in ("k", "v"):
             old = getattr(self, name)
-            new = old.new_zeros((*old.shape[:3], size, old.shape[4]))
-            new[:, :, :, : old.shape[3]] = old
+            new = old.new_empty((*old.shape[:3], size, old.shape[4]))
+            for slot, length in enumerate(self.lengths):  # the committed rows only (see __init__)
+                new[:, slot, :, :length] = old[:, slot, :, :length]
             setattr(self, name, new)
 
     def add_slots(self, slots: int) -> None:
@@ -196,8 +200,9 @@ class KVStore:
             return
         for name in ("k", "v"):
             old = getattr(self, name)
-            new = old.new_zeros((old.shape[0], slots, *old.shape[2:]))
-            new[:, : self.slots] = old
+            new = old.new_empty((old.shape[0], slots, *old.shape[2:]))
+            for slot, length in enumerate(self.lengths):
+                new[:, slot, :, :length] = old[:, slot, :, :length]
             setattr(self, name, new)
         self.lengths += [0] * (slots - self.slots)
         self.slots = slots

@@ -83,11 +83,14 @@ class QuantizedWeights(LeanWeights):
                                "use weights='float32'")
         self.source = GGUFTensors(gguf) if weights == "file" else None
         super().__init__(model, products="exact")
+        # the parsed file (its tokenizer fields alone are ~150 MB of Python objects) and its mapping are
+        # dropped once every weight is packed: what stays resident is the packed weights
+        self.source = None
         self.products = weights  # "file" or "q8_0": ``product`` below, not the float kernels
 
     @property
     def products_name(self) -> str:
-        return "q8_0" if self.source is None else "+".join(sorted({w.qtype.lower() for w in self._all()}))
+        return "q8_0" if self.products == "q8_0" else "+".join(sorted({w.qtype.lower() for w in self._all()}))
 
     def _all(self):
         for layer in self.layers:
@@ -96,7 +99,7 @@ class QuantizedWeights(LeanWeights):
 
     def prepare(self, role: str, layer: int | None, float_weight) -> quant.QuantWeight:
         """The packed weight of ``role`` in ``layer`` (the output layer: role "output")."""
-        if self.source is None:
+        if self.source is None:  # weights="q8_0"
             return quant.quantize_q8_0(float_weight())
         if role == "output":
             name = "output.weight" if "output.weight" in self.source.tensors else "token_embd.weight"
