@@ -317,7 +317,7 @@ def grow(state: RoundState) -> None:
         if ln.request.constraint is not None:
             try:
                 ln.tree = ln.request.constraint.shape(ln.tree if ln.tree is not None else DraftTree.empty(state.target.device),
-                                                      force=ln.request.proposer is not None)
+                                                      force=ln.request.proposer is not None, beta=ln.request.builder.depth_bonus)
             except Exception as exc:  # noqa: BLE001 - this request ends with its error; the others go on
                 ln.fail(exc)
     state.clock.lap("tree")
@@ -612,7 +612,7 @@ def reference_round(target: Target, r: Request) -> None:
         budget = r.policy.round_budget(r.builder.settings.build_budget) if r.policy is not None else None
         (tree,) = build_trees([r.builder], [proposal], getattr(r.proposer, "head", None), [budget])
     if r.constraint is not None:  # as ``grow``: pruned, and the forced run added
-        tree = r.constraint.shape(tree, force=r.proposer is not None)
+        tree = r.constraint.shape(tree, force=r.proposer is not None, beta=r.builder.depth_bonus)
     if r.policy is not None and (built or r.constraint is not None):
         (tree,) = cut_batch([(r.policy, tree)], 1, 1.0, 0)
     tokens, depths = tree.rows(r.bonus)

@@ -209,12 +209,13 @@ class Constraint:
         keep = torch.tensor([i for i, ok in enumerate(valid) if ok], dtype=torch.long, device=tree.tokens.device)
         return tree.restricted(keep)  # valid paths are closed under prefixes
 
-    def shape(self, tree: DraftTree, force: bool = True) -> DraftTree:
+    def shape(self, tree: DraftTree, force: bool = True, beta: float = 0.0) -> DraftTree:
         """The round's tree under the grammar: pruned (``prune``), and where the grammar allows exactly
         one continuation of the committed text (a key, a quote, a brace), that forced run enters at
         probability 1: merged into a ranked tree (best first, so no budget cut drops it), or as the
         tree of a round that proposed nothing. A tree without scores (a drafter's chain) is only pruned,
-        and so is every tree with ``force`` off."""
+        and so is every tree with ``force`` off. ``beta``: the method's depth bonus, with which the merged
+        tree is ranked as its builder ranked it."""
         tree = self.prune(tree)
         forced = self.matcher.compute_ff_tokens() if force else []
         if not forced or (len(tree) and tree.log_probs is None):
@@ -222,7 +223,7 @@ class Constraint:
         chain = DraftTree.chain(torch.tensor(forced, dtype=torch.long, device=tree.tokens.device))
         chain.log_probs = torch.zeros(len(chain), dtype=torch.float64, device=tree.tokens.device)
         chain.rank = torch.arange(len(chain), device=tree.tokens.device)
-        return merge_ranked([chain, tree] if len(tree) else [chain], len(tree) + len(chain))
+        return merge_ranked([chain, tree] if len(tree) else [chain], len(tree) + len(chain), beta)
 
     def advance(self, tokens: list[int]) -> list[int]:
         """Committed tokens (each was allowed when chosen), up to where the structure is complete: the

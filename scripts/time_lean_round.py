@@ -5,7 +5,8 @@
 The drafter call (one request, a steady round: 2 new context rows after a 200-token context) on the
 module forward, on the lean kernels with float32 products and with Q8_0 products (the default), with
 how far each path's base logits are from the module's; then one ``dartree`` tree build (K = 64,
-W = 12, up to 64 nodes) grown in Python and by the compiled grower. Medians of back-to-back calls.
+W = 12, up to 64 nodes) grown in Python and by the compiled grower, and 4 / 8 / 16 requests' trees by a
+compiled call each against one call for the batch. Medians of back-to-back calls.
 """
 
 from __future__ import annotations
@@ -85,6 +86,11 @@ def main() -> int:
     python_ms = median_ms(lambda: grow_supertree(draft, head, 64, lambda d, p: 12, budget=64, beta=-0.2))
     compiled_ms = median_ms(lambda: grow_kernel.grow_supertree(draft, head, 64, 12, 64, -0.2))
     print(f"dartree supertree (K 64, W 12, B 64): Python {python_ms:.2f} ms, compiled {compiled_ms:.2f} ms")
+    for requests in (4, 8, 16):
+        drafts = [draft] * requests
+        each_ms = median_ms(lambda: [grow_kernel.grow_supertree(d, head, 64, 12, 64, -0.2) for d in drafts])
+        together_ms = median_ms(lambda: grow_kernel.grow_supertrees(drafts, head, 64, 12, [64] * requests, -0.2))
+        print(f"{requests} supertrees: a compiled call each {each_ms:.2f} ms, one call for all {together_ms:.2f} ms")
     return 0
 
 

@@ -87,3 +87,47 @@ def test_heads_the_kernel_does_not_take_keep_the_python_grower():
     assert grow_kernel.grow_supertree(draft, head32, 8, 4, 8, 0.0) is None  # float64 logits, float32 head
     unbound = MarkovHead(TARGET_VOCAB, 10, TARGET_VOCAB).double()
     assert grow_kernel.head_tables(unbound) is None  # no embedding bound
+
+
+@settings(max_examples=25, deadline=None)
+@given(kind=st.sampled_from(["domino", "markov"]), seed=st.integers(0, 10_000), requests=st.integers(2, 9),
+       dtype=st.sampled_from([torch.float64, torch.float32]), width=st.integers(1, 12),
+       budgets=st.lists(st.one_of(st.none(), st.integers(1, 60)), min_size=9, max_size=9))
+def test_trees_grown_together_are_each_the_tree_grown_alone(kind, seed, requests, dtype, width, budgets):
+    """One compiled call for a batch (the requests over the threads) gives each request's supertree bit for bit."""
+    head, d2t = make_head(kind, seed, 61, 1)
+    head = head.to(dtype)
+    head.bind(nn.Embedding.from_pretrained(head._embed.weight.to(dtype)), d2t)
+    drafts = [make_draft(seed + 7 * i, 6, 61, d2t) for i in range(requests)]
+    drafts = [DraftOutput(bonus=d.bonus, hidden=d.hidden.to(dtype), base_logits=d.base_logits.to(dtype), d2t=d2t) for d in drafts]
+    together = grow_kernel.grow_supertrees(drafts, head, 24, width, budgets[:requests], -0.2)
+    assert together is not None and len(together) == requests
+    for draft, budget, got in zip(drafts, budgets, together):
+        alone = grow_kernel.grow_supertree(draft, head, 24, width, budget, -0.2)
+        for a, b in zip(got, alone):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_the_builder_grows_a_batch_in_one_compiled_call(monkeypatch):
+    head, d2t = make_head("domino", 11, 61, 1)
+    drafts = [make_draft(11 + i, 6, 61, d2t) for i in range(4)]
+    builder = make_builder("dartree", TreeSettings(budget=16, ngram=False))
+    alone = [builder.build_tree(d, head) for d in drafts]
+    calls = []
+    compiled = grow_kernel.load()
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(compiled, name)
+
+        def grow_supertrees(self, *args):
+            calls.append(len(args[0]))
+            return compiled.grow_supertrees(*args)
+
+    monkeypatch.setattr(grow_kernel, "load", lambda: Spy())
+    from dartree.trees import build_trees
+
+    together = build_trees([builder] * 4, drafts, head, [None] * 4)
+    assert calls == [4]
+    for a, b in zip(together, alone):
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents) and torch.equal(a.rank, b.rank)

@@ -15,6 +15,7 @@
 // Returns tokens, parents (tree rows: 0 is the root, node i is row i + 1), depths (1-based) and scores
 // (cumulative log-probabilities), in placement order.
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -95,10 +96,9 @@ struct Grower {
     T* h = scratch.data();
     T* gh = h + n * S;
     for (int64_t c = 0; c < n; ++c) std::copy(states + parents[c] * S, states + (parents[c] + 1) * S, h + c * S);
-    {
-      auto out = view(gh, n * 3 * S).view({n, 3 * S});
-      at::mm_out(out, view(h, n * S).view({n, S}), view(const_cast<T*>(w_hh_t), S * 3 * S).view({S, 3 * S}));
-    }
+    // our own product, not ATen's mm: a BLAS may sum in another order with another thread count, and a
+    // tree must not depend on how many requests share the call
+    rows_times(h, n, S, w_hh_t, 3 * S, gh, false);
     for (int64_t c = 0; c < n; ++c) {  // r and z pre-activations in place, n's input part into ``children``
       const T* gi = table + tokens[c] * X;
       T* g = gh + c * 3 * S;
@@ -188,10 +188,10 @@ std::vector<torch::Tensor> grow_impl(const Grower<T>& g, const T* root, int64_t 
   return {tok, par, dep, sc};
 }
 
-std::vector<torch::Tensor> grow_supertree(torch::Tensor cand_tokens, torch::Tensor cand_base, int64_t head,
-                                          torch::Tensor out_rows_t, torch::Tensor table, torch::Tensor hidden_proj,
-                                          torch::Tensor w_state_t, torch::Tensor w_hh_t, torch::Tensor root,
-                                          int64_t uncorrected, int64_t width, int64_t budget, double beta) {
+// The arguments' checks; returns the tree's grower (over the tensors' memory, which the caller keeps alive).
+void check_grow(const torch::Tensor& cand_tokens, const torch::Tensor& cand_base, int64_t head, const torch::Tensor& out_rows_t,
+                const torch::Tensor& table, const torch::Tensor& hidden_proj, const torch::Tensor& w_state_t,
+                const torch::Tensor& w_hh_t, const torch::Tensor& root, int64_t width) {
   TORCH_CHECK(cand_tokens.dim() == 2 && cand_tokens.scalar_type() == torch::kInt64 && cand_tokens.is_contiguous(),
               "grow_supertree: cand_tokens [D, K] int64");
   TORCH_CHECK(head == NONE || head == DOMINO || head == MARKOV, "grow_supertree: head 0, 1 or 2");
@@ -212,12 +212,57 @@ std::vector<torch::Tensor> grow_supertree(torch::Tensor cand_tokens, torch::Tens
     TORCH_CHECK(hidden_proj.size(0) == D && hidden_proj.size(1) == R && w_state_t.size(0) == S && w_state_t.size(1) == R &&
                 w_hh_t.size(0) == S && w_hh_t.size(1) == 3 * S, "grow_supertree: Domino weights' shapes");
   if (head == MARKOV) TORCH_CHECK(R == S, "grow_supertree: a Markov state is its rank");
+}
+
+template <typename T>
+Grower<T> grower(const torch::Tensor& cand_tokens, const torch::Tensor& cand_base, int64_t head, const torch::Tensor& out_rows_t,
+                 const torch::Tensor& table, const torch::Tensor& hidden_proj, const torch::Tensor& w_state_t,
+                 const torch::Tensor& w_hh_t, const torch::Tensor& root, int64_t uncorrected) {
+  const int64_t D = cand_tokens.size(0), K = cand_tokens.size(1), S = root.numel();
+  const int64_t R = head == NONE ? 0 : out_rows_t.size(1), X = head == NONE ? 0 : table.size(1);
+  return Grower<T>{D, K, S, R, head, uncorrected, cand_tokens.data_ptr<int64_t>(), cand_base.data_ptr<T>(),
+                   out_rows_t.data_ptr<T>(), table.data_ptr<T>(), hidden_proj.data_ptr<T>(), w_state_t.data_ptr<T>(),
+                   w_hh_t.data_ptr<T>(), X};
+}
+
+std::vector<torch::Tensor> grow_supertree(torch::Tensor cand_tokens, torch::Tensor cand_base, int64_t head,
+                                          torch::Tensor out_rows_t, torch::Tensor table, torch::Tensor hidden_proj,
+                                          torch::Tensor w_state_t, torch::Tensor w_hh_t, torch::Tensor root,
+                                          int64_t uncorrected, int64_t width, int64_t budget, double beta) {
+  check_grow(cand_tokens, cand_base, head, out_rows_t, table, hidden_proj, w_state_t, w_hh_t, root, width);
   std::vector<torch::Tensor> out;
   AT_DISPATCH_FLOATING_TYPES(cand_base.scalar_type(), "grow_supertree", [&] {
-    Grower<scalar_t> g{D, K, S, R, head, uncorrected, cand_tokens.data_ptr<int64_t>(), cand_base.data_ptr<scalar_t>(),
-                       out_rows_t.data_ptr<scalar_t>(), table.data_ptr<scalar_t>(), hidden_proj.data_ptr<scalar_t>(),
-                       w_state_t.data_ptr<scalar_t>(), w_hh_t.data_ptr<scalar_t>(), X};
-    out = grow_impl<scalar_t>(g, root.data_ptr<scalar_t>(), width, budget, beta);
+    auto g = grower<scalar_t>(cand_tokens, cand_base, head, out_rows_t, table, hidden_proj, w_state_t, w_hh_t, root, uncorrected);
+    // as one request of ``grow_supertrees`` (ATen's ops on this thread alone): the same bits either way
+    at::parallel_for(0, 1, 1, [&](int64_t, int64_t) { out = grow_impl<scalar_t>(g, root.data_ptr<scalar_t>(), width, budget, beta); });
+  });
+  return out;
+}
+
+// Several requests' supertrees (one head, its tables shared; each request its own candidates, logits,
+// hidden projection, root state and budget), the requests split over the threads. Each tree is computed
+// by the same code as ``grow_supertree``'s alone, single-threaded inside (ATen's ops in a parallel region
+// run on the calling thread): the same tree, node for node and bit for bit, however many share the call.
+std::vector<std::vector<torch::Tensor>> grow_supertrees(std::vector<torch::Tensor> cand_tokens, std::vector<torch::Tensor> cand_base,
+                                                        int64_t head, std::vector<torch::Tensor> out_rows_t, torch::Tensor table,
+                                                        std::vector<torch::Tensor> hidden_proj, torch::Tensor w_state_t,
+                                                        torch::Tensor w_hh_t, std::vector<torch::Tensor> roots, int64_t uncorrected,
+                                                        int64_t width, std::vector<int64_t> budgets, double beta) {
+  const int64_t B = (int64_t)cand_tokens.size();
+  TORCH_CHECK(cand_base.size() == (size_t)B && out_rows_t.size() == (size_t)B && hidden_proj.size() == (size_t)B &&
+              roots.size() == (size_t)B && budgets.size() == (size_t)B, "grow_supertrees: one entry a request in every list");
+  for (int64_t b = 0; b < B; ++b)
+    check_grow(cand_tokens[b], cand_base[b], head, out_rows_t[b], table, hidden_proj[b], w_state_t, w_hh_t, roots[b], width);
+  std::vector<std::vector<torch::Tensor>> out(B);
+  if (B == 0) return out;
+  AT_DISPATCH_FLOATING_TYPES(cand_base[0].scalar_type(), "grow_supertrees", [&] {
+    at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        auto g = grower<scalar_t>(cand_tokens[b], cand_base[b], head, out_rows_t[b], table, hidden_proj[b], w_state_t, w_hh_t,
+                                  roots[b], uncorrected);
+        out[b] = grow_impl<scalar_t>(g, roots[b].data_ptr<scalar_t>(), width, budgets[b], beta);
+      }
+    });
   });
   return out;
 }
@@ -226,5 +271,7 @@ std::vector<torch::Tensor> grow_supertree(torch::Tensor cand_tokens, torch::Tens
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grow_supertree", &grow_supertree, "DARTree's supertree, grown depth by depth with the head's corrections",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("grow_supertrees", &grow_supertrees, "several requests' supertrees in one call, the requests over the threads",
         py::call_guard<py::gil_scoped_release>());
 }

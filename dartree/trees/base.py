@@ -173,6 +173,12 @@ class TreeBuilder:
         budget policy cuts each round's tree to the prefix worth verifying."""
         return self.ranked and self.settings.auto
 
+    @property
+    def depth_bonus(self) -> float:
+        """The beta its trees are ranked with (score + beta * depth), 0 for a method that reads none:
+        what a tree merged into one of its trees (the grammar's forced run) is ranked with too."""
+        return self.settings.beta if "beta" in self.reads else 0.0
+
     def build(self, draft, head: CorrectionHead | None, budget: int) -> DraftTree:
         """The tree over draft ids (the draft's output vocabulary), of at most ``budget`` nodes."""
         raise NotImplementedError

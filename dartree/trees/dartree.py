@@ -168,9 +168,12 @@ class DARTreeBuilder(TreeBuilder):
             trees = DARTreeBuilder.build_many(builders, [d.draft for d in drafts], head, budgets)
             return [merge_ranked([replace(t, tokens=d.draft.to_target(t.tokens)), d.ngram], n, b.settings.beta)
                     for b, d, t, n in zip(builders, drafts, trees, budgets)]
-        if len(builders) == 1 or grow_kernel.head_tables(head) is not None:  # the compiled grower: one call a tree
-            return [b.build(d, head, n) for b, d, n in zip(builders, drafts, budgets)]
         s = builders[0].settings  # one group shares its settings (trees.build_trees)
+        if len(builders) == 1:
+            return [builders[0].build(drafts[0], head, budgets[0])]
+        grown = grow_kernel.grow_supertrees(drafts, head, s.tree_top_k, s.width, budgets, s.beta)  # compiled: one call
+        if grown is not None:
+            return [_ranked_top_b(Supertree(*g), n, s.beta) for g, n in zip(grown, budgets)]
         grown = grow_supertrees(drafts, head, s.tree_top_k, s.width, budgets, beta=s.beta)
         return [_ranked_top_b(st, n, s.beta) for st, n in zip(grown, budgets)]
 

@@ -95,21 +95,47 @@ def head_tables(head) -> HeadTables | None:
     return tables
 
 
+def _inputs(draft, head, tables: HeadTables, tree_top_k: int) -> tuple[torch.Tensor, ...]:
+    """One request's part of the call: its candidates [D, K], their base logits [D, K], their output
+    rows transposed [D, R, K], its hidden projection (Domino) and its root state."""
+    base = draft.base_logits
+    cands = candidate_tables(draft, tree_top_k).contiguous()
+    cand_base = base.gather(1, cands).contiguous()
+    out_rows_t = tables.out_rows[cands].transpose(1, 2).contiguous()
+    hidden_proj = head.start_round(draft.hidden, base).hidden_proj.contiguous() if tables.kind == DOMINO else base.new_zeros(0)
+    root = head.initial_state(draft.bonus)[0].contiguous()
+    return cands, cand_base, out_rows_t, hidden_proj, root
+
+
+def _takes(tables: HeadTables | None, drafts) -> bool:
+    return tables is not None and all(d.base_logits.dtype == tables.table.dtype and d.base_logits.device.type == "cpu"
+                                      for d in drafts)
+
+
 @torch.no_grad()
 def grow_supertree(draft, head, tree_top_k: int, width: int, budget: int | None, beta: float):
     """``trees.dartree.grow_supertree`` with a quota of ``width`` a depth, in one compiled call: the
     supertree's (tokens, parents, depths, scores); None where the kernel does not take this head or
     these logits (the caller grows in Python)."""
     tables = head_tables(head)
-    base = draft.base_logits
-    if tables is None or base.dtype != tables.table.dtype or base.device.type != "cpu":
+    if not _takes(tables, [draft]):
         return None
-    cands = candidate_tables(draft, tree_top_k).contiguous()
-    cand_base = base.gather(1, cands).contiguous()
-    out_rows_t = tables.out_rows[cands].transpose(1, 2).contiguous()  # [D, R, K]
-    rnd = head.start_round(draft.hidden, base)
-    hidden_proj = rnd.hidden_proj.contiguous() if tables.kind == DOMINO else base.new_zeros(0)
-    root = head.initial_state(draft.bonus)[0].contiguous()
+    cands, cand_base, out_rows_t, hidden_proj, root = _inputs(draft, head, tables, tree_top_k)
     return tuple(load().grow_supertree(
         cands, cand_base, tables.kind, out_rows_t, tables.table, hidden_proj, tables.w_state_t, tables.w_hh_t, root,
         tables.uncorrected, width, 0 if budget is None else budget, float(beta)))
+
+
+@torch.no_grad()
+def grow_supertrees(drafts: list, head, tree_top_k: int, width: int, budgets: list[int | None], beta: float):
+    """``grow_supertree`` for several requests in one compiled call, the requests split over the threads:
+    each request's supertree is the one it gets alone, bit for bit. None where the kernel does not take
+    this head or these logits."""
+    tables = head_tables(head)
+    if not _takes(tables, drafts):
+        return None
+    parts = list(zip(*(_inputs(d, head, tables, tree_top_k) for d in drafts)))
+    grown = load().grow_supertrees(list(parts[0]), list(parts[1]), tables.kind, list(parts[2]), tables.table, list(parts[3]),
+                                   tables.w_state_t, tables.w_hh_t, list(parts[4]), tables.uncorrected, width,
+                                   [0 if b is None else b for b in budgets], float(beta))
+    return [tuple(g) for g in grown]
