@@ -16,6 +16,9 @@
 // (cumulative log-probabilities), in placement order.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -40,6 +43,59 @@ inline void rows_times(const T* x, int64_t F, int64_t I, const T* wt, int64_t J,
     }
   }
 }
+
+#if defined(__AVX512F__)
+// rows_times for float32, 32 columns of up to 12 rows held in registers while the rows of WT stream by:
+// each output is the same sum as rows_times' (over i in order, a product then a sum, no fused
+// multiply-add), so the same bits, several times faster (rows_times reloads y for every i)
+inline void rows_times(const float* x, int64_t F, int64_t I, const float* wt, int64_t J, float* y, bool accumulate) {
+  constexpr int FB = 12;
+  const int64_t J32 = J / 32 * 32;
+  for (int64_t f0 = 0; f0 < F; f0 += FB) {
+    const int nf = (int)std::min<int64_t>(FB, F - f0);
+    for (int64_t j0 = 0; j0 < J32; j0 += 32) {
+      __m512 acc[FB][2];
+#pragma GCC unroll 12
+      for (int f = 0; f < FB; ++f) {
+        if (f < nf) {
+          float* out = y + (f0 + f) * J + j0;
+          acc[f][0] = accumulate ? _mm512_loadu_ps(out) : _mm512_setzero_ps();
+          acc[f][1] = accumulate ? _mm512_loadu_ps(out + 16) : _mm512_setzero_ps();
+        }
+      }
+      for (int64_t i = 0; i < I; ++i) {
+        const __m512 w0 = _mm512_loadu_ps(wt + i * J + j0), w1 = _mm512_loadu_ps(wt + i * J + j0 + 16);
+#pragma GCC unroll 12
+        for (int f = 0; f < FB; ++f) {
+          if (f < nf) {
+            const __m512 a = _mm512_set1_ps(x[(f0 + f) * I + i]);
+            acc[f][0] = _mm512_add_ps(acc[f][0], _mm512_mul_ps(a, w0));
+            acc[f][1] = _mm512_add_ps(acc[f][1], _mm512_mul_ps(a, w1));
+          }
+        }
+      }
+#pragma GCC unroll 12
+      for (int f = 0; f < FB; ++f) {
+        if (f < nf) {
+          float* out = y + (f0 + f) * J + j0;
+          _mm512_storeu_ps(out, acc[f][0]);
+          _mm512_storeu_ps(out + 16, acc[f][1]);
+        }
+      }
+    }
+  }
+  if (J32 == J) return;
+  for (int64_t f = 0; f < F; ++f) {  // the last J % 32 columns as rows_times does them
+    float* out = y + f * J;
+    if (!accumulate) std::fill(out + J32, out + J, 0.0f);
+    for (int64_t i = 0; i < I; ++i) {
+      const float a = x[f * I + i];
+      const float* w = wt + i * J;
+      for (int64_t j = J32; j < J; ++j) out[j] += a * w[j];
+    }
+  }
+}
+#endif
 
 // ATen's vectorised sigmoid / tanh / silu, in place on n values
 template <typename T>
