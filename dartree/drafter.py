@@ -364,7 +364,7 @@ class DrafterModel(nn.Module):
         if self.mask_embedding is not None:
             mask = self.mask_embedding.to(anchor.dtype)
         else:
-            mask = embed_tokens.weight[cfg.mask_token_id]
+            mask = embed_tokens(torch.tensor([cfg.mask_token_id], device=first_tokens.device))[0]
         masks = mask.expand(first_tokens.shape[0], cfg.block_size - 1, -1)
         return torch.cat([anchor, masks], dim=1)
 

@@ -58,6 +58,7 @@ def write_tiny_gguf(model_dir, out_dir, qtype=gguf.GGMLQuantizationType.Q4_1):
                 heads = cfg.num_attention_heads if hf == "q_proj" else cfg.num_key_value_heads if hf == "k_proj" else None
                 put(f"blk.{i}.{name}.weight", module.weight, qtype, heads)
         put("output.weight", model.lm_head.weight, gguf.GGMLQuantizationType.Q8_0)
+        put("token_embd.weight", model.model.embed_tokens.weight, gguf.GGMLQuantizationType.Q8_0)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -101,6 +102,21 @@ def test_the_file_target_runs_the_files_blocks(file_pipe, tiny_gguf):
     (q, _), (f, _) = prefill(target, ids), prefill(float_target, ids)
     assert not torch.equal(q, f)
     assert (q - f).abs().max() < 0.05 * f.abs().max()
+
+
+def test_the_file_target_looks_tokens_up_in_the_files_q8_0_embedding(file_pipe, tiny_gguf):
+    from dartree.targets.quantized import GGUFTensors, Q8Embedding, q8_embedding
+
+    embedding = file_pipe.target.embed_tokens
+    assert isinstance(embedding, Q8Embedding) and file_pipe.head._embed is embedding  # the drafter's head reads it too
+    table = file_pipe.target_model.get_input_embeddings().weight
+    every = torch.arange(table.shape[0])
+    assert torch.equal(embedding(every), table) and torch.equal(embedding(every.view(4, -1)), table.view(4, -1, table.shape[1]))
+    # a checkpoint whose table is not the file's keeps its own
+    other = load_target(tiny_gguf[0], torch.float32, "cpu")
+    with torch.no_grad():
+        other.get_input_embeddings().weight[-1, 0] += 1.0
+    assert q8_embedding(GGUFTensors(tiny_gguf[1]), other) is None
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -303,7 +303,9 @@ class LeanTarget:
 
     @property
     def embed_tokens(self) -> nn.Embedding:
-        return self.model.get_input_embeddings()
+        """The token embedding the forward uses (the file's Q8_0 rows on a quantised target, where they are
+        the checkpoint's), for the drafter and its head."""
+        return self.weights.embedding
 
     @property
     def lm_head(self) -> nn.Module:

@@ -64,6 +64,40 @@ class GGUFTensors:
         return qtype, torch.from_numpy(t.data.copy()).reshape(-1, k // values * size), k
 
 
+class Q8Embedding(nn.Module):
+    """A Q8_0 token embedding as the GGUF file stores it (per block of 32: an fp16 scale, 32 int8), a row
+    dequantised when it is looked up: scale * value in float32, the values ``gguf`` dequantises the tensor
+    to, so the float32 checkpoint's rows bit for bit (checked at load). A quarter of the float32 table's
+    memory, and only the rows a text uses are ever expanded."""
+
+    def __init__(self, raw: torch.Tensor, dim: int):
+        super().__init__()
+        self.raw, self.num_embeddings, self.embedding_dim = raw, raw.shape[0], dim
+        self.blocks = dim // 32
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        blocks = self.raw[ids.reshape(-1).cpu()].view(-1, self.blocks, 34)
+        scale = blocks[..., :2].contiguous().view(torch.float16).to(torch.float32)  # [n, blocks, 1]
+        values = blocks[..., 2:].contiguous().view(torch.int8).to(torch.float32)     # [n, blocks, 32]
+        return (scale * values).reshape(*ids.shape, self.embedding_dim)
+
+
+def q8_embedding(source: GGUFTensors, model: nn.Module) -> Q8Embedding | None:
+    """The file's token embedding as a ``Q8Embedding`` where it is Q8_0 and gives the model's rows bit for
+    bit (checked on rows spread over the table, the first and last included); else None (the model's own)."""
+    t = source.tensors.get("token_embd.weight")
+    if t is None or t.tensor_type.name != "Q8_0":
+        return None
+    qtype, raw, k = source.raw("token_embd.weight")
+    float_table = model.get_input_embeddings().weight
+    if tuple(float_table.shape) != (raw.shape[0], k) or float_table.dtype != torch.float32:
+        return None
+    embedding = Q8Embedding(raw, k)
+    probe = torch.unique(torch.cat([torch.linspace(0, raw.shape[0] - 1, 97).long(), torch.tensor([raw.shape[0] - 1])]))
+    with torch.no_grad():
+        return embedding if torch.equal(embedding(probe), float_table[probe]) else None
+
+
 class QuantizedWeights(LeanWeights):
     """``LeanWeights`` whose products run on block-quantised weights (``quant.QuantWeight``)."""
 
@@ -83,6 +117,8 @@ class QuantizedWeights(LeanWeights):
                                "use weights='float32'")
         self.source = GGUFTensors(gguf) if weights == "file" else None
         super().__init__(model, products="exact")
+        # the embedding as stored where it can be (the float32 table is then never read: its pages stay on disk)
+        self.embedding = (q8_embedding(self.source, model) if self.source is not None else None) or self.embedding
         # the parsed file (its tokenizer fields alone are ~150 MB of Python objects) and its mapping are
         # dropped once every weight is packed: what stays resident is the packed weights
         self.source = None
