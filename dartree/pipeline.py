@@ -68,6 +68,7 @@ class Pipeline:
         self.head = None
         self._cost_model: CostModel | None = None
         self._policies: dict[tuple, BudgetPolicy] = {}
+        self._proposal_depths: dict[str, int] = {}
         self.suffix_cache: SuffixCache | None = None  # earlier answers for the n-gram proposer (use_suffix_cache)
         self._grammars: Grammars | None = None  # structured output's compiled formats (made on first use)
         if drafter is not None:
@@ -137,7 +138,10 @@ class Pipeline:
 
     def proposal_depth(self, proposer: str) -> int:
         """How deep the proposals of proposer ``proposer`` (a registered name) reach: the budget policy's depth."""
-        return self.proposer.num_depths if proposer == "drafter" else make_proposer(proposer, self).num_depths
+        if proposer not in self._proposal_depths:  # a proposer made once to read it (its depth is fixed at load)
+            self._proposal_depths[proposer] = self.proposer.num_depths if proposer == "drafter" else \
+                make_proposer(proposer, self).num_depths
+        return self._proposal_depths[proposer]
 
     def constraint(self, response_format) -> Constraint | None:
         """The grammar state of a new request of ``response_format`` (``structured.OutputFormat.parse``:
