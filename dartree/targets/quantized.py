@@ -118,7 +118,9 @@ class QuantizedWeights(LeanWeights):
         self.source = GGUFTensors(gguf) if weights == "file" else None
         super().__init__(model, products="exact")
         # the embedding as stored where it can be (the float32 table is then never read: its pages stay on disk)
-        self.embedding = (q8_embedding(self.source, model) if self.source is not None else None) or self.embedding
+        stored = q8_embedding(self.source, model) if self.source is not None else None
+        if stored is not None:
+            self.embedding = stored
         # the parsed file (its tokenizer fields alone are ~150 MB of Python objects) and its mapping are
         # dropped once every weight is packed: what stays resident is the packed weights
         self.source = None
