@@ -112,6 +112,10 @@ def main() -> None:
     ap.add_argument("--no-llama", action="store_true", help="skip the llama.cpp columns")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    peers = [] if args.no_llama else args.peers.split(",")
+    unknown = [p for p in peers if p not in PEERS]
+    if unknown:
+        ap.error(f"unknown peer {unknown[0]!r}; choose from {', '.join(PEERS)}")
 
     import torch
 
@@ -119,6 +123,9 @@ def main() -> None:
     from dartree.bench import llama_cpp
     from dartree.bench.datasets import DATASETS, load_samples, select
     from dartree.hardware import describe_machine, resident_mb
+
+    if peers and llama_cpp.missing():  # before any run, not after the dartree ones
+        raise SystemExit(f"{llama_cpp.missing()} (or pass --no-llama)")
 
     per = -(-args.prompts // len(DATASETS))
     prompts = [s.turns[0] for ds in DATASETS for s in select(load_samples(ds), per)][: args.prompts]
@@ -142,29 +149,24 @@ def main() -> None:
             rows.append(row)
             records += [{"engine": row["engine"], "concurrency": c, **r} for r in recs]
             print(json.dumps(row), flush=True)
-    if not args.no_llama:
-        if llama_cpp.missing():
-            raise SystemExit(f"{llama_cpp.missing()} (or pass --no-llama)")
-        for peer in args.peers.split(","):
-            if peer not in PEERS:
-                raise SystemExit(f"unknown peer {peer!r}; choose from {', '.join(PEERS)}")
-            label, port = PEERS[peer]
-            for c in levels:
-                with llama_cpp.LlamaServer(llama_cpp.peer_weights(peer), args.threads, port, slots=c, context_per_slot=2048) as server:
-                    recs, wall = run_clients(f"{server.base_url}/v1", "x", prompts, c, args.max_tokens,
-                                             {"top_k": 1, "seed": 0, "cache_prompt": False})
-                    row = {"engine": label, "concurrency": c, **summarize(recs, wall), "rss_mb": round(resident_mb(server.proc.pid), 0),
-                           "server_flags": " ".join(server.flags)}
-                rows.append(row)
-                records += [{"engine": label, "concurrency": c, **r} for r in recs]
-                print(json.dumps(row), flush=True)
+    for peer in peers:
+        label, port = PEERS[peer]
+        for c in levels:
+            with llama_cpp.LlamaServer(llama_cpp.peer_weights(peer), args.threads, port, slots=c, context_per_slot=2048) as server:
+                recs, wall = run_clients(f"{server.base_url}/v1", "x", prompts, c, args.max_tokens,
+                                         {"top_k": 1, "seed": 0, "cache_prompt": False})
+                row = {"engine": label, "concurrency": c, **summarize(recs, wall), "rss_mb": round(resident_mb(server.proc.pid), 0),
+                       "server_flags": " ".join(server.flags)}
+            rows.append(row)
+            records += [{"engine": label, "concurrency": c, **r} for r in recs]
+            print(json.dumps(row), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     summary = {"machine": describe_machine(), "threads": args.threads, "torch": torch.__version__, "prompts": len(prompts),
                "max_tokens": args.max_tokens, "command": " ".join(sys.argv), "rows": rows}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     (out / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    reference = next((PEERS[p][0] for p in args.peers.split(",") if not args.no_llama), None)  # the ratio's denominator
+    reference = PEERS[peers[0]][0] if peers else None  # the ratio's denominator
     peer_at = {r["concurrency"]: r["tokens_per_second"] for r in rows if r["engine"] == reference}
     lines = [f"| engine | clients | tok/s | x {reference or 'llama.cpp'} | p50 latency s | p95 s | p50 TTFT s | p99 TTFT s | RSS MB | answers != alone |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

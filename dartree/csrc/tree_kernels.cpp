@@ -244,7 +244,7 @@ std::vector<torch::Tensor> grow_impl(const Grower<T>& g, const T* root, int64_t 
   return {tok, par, dep, sc};
 }
 
-// The arguments' checks; returns the tree's grower (over the tensors' memory, which the caller keeps alive).
+// One request's arguments checked.
 void check_grow(const torch::Tensor& cand_tokens, const torch::Tensor& cand_base, int64_t head, const torch::Tensor& out_rows_t,
                 const torch::Tensor& table, const torch::Tensor& hidden_proj, const torch::Tensor& w_state_t,
                 const torch::Tensor& w_hh_t, const torch::Tensor& root, int64_t width) {
@@ -281,24 +281,10 @@ Grower<T> grower(const torch::Tensor& cand_tokens, const torch::Tensor& cand_bas
                    w_hh_t.data_ptr<T>(), X};
 }
 
-std::vector<torch::Tensor> grow_supertree(torch::Tensor cand_tokens, torch::Tensor cand_base, int64_t head,
-                                          torch::Tensor out_rows_t, torch::Tensor table, torch::Tensor hidden_proj,
-                                          torch::Tensor w_state_t, torch::Tensor w_hh_t, torch::Tensor root,
-                                          int64_t uncorrected, int64_t width, int64_t budget, double beta) {
-  check_grow(cand_tokens, cand_base, head, out_rows_t, table, hidden_proj, w_state_t, w_hh_t, root, width);
-  std::vector<torch::Tensor> out;
-  AT_DISPATCH_FLOATING_TYPES(cand_base.scalar_type(), "grow_supertree", [&] {
-    auto g = grower<scalar_t>(cand_tokens, cand_base, head, out_rows_t, table, hidden_proj, w_state_t, w_hh_t, root, uncorrected);
-    // as one request of ``grow_supertrees`` (ATen's ops on this thread alone): the same bits either way
-    at::parallel_for(0, 1, 1, [&](int64_t, int64_t) { out = grow_impl<scalar_t>(g, root.data_ptr<scalar_t>(), width, budget, beta); });
-  });
-  return out;
-}
-
-// Several requests' supertrees (one head, its tables shared; each request its own candidates, logits,
-// hidden projection, root state and budget), the requests split over the threads. Each tree is computed
-// by the same code as ``grow_supertree``'s alone, single-threaded inside (ATen's ops in a parallel region
-// run on the calling thread): the same tree, node for node and bit for bit, however many share the call.
+// Requests' supertrees (one head, its tables shared; each request its own candidates, logits, hidden
+// projection, root state and budget), the requests split over the threads. Each tree is computed by the
+// same code on one thread, whatever the count (one request included: the only entry point), so a
+// request's tree is the same, node for node and bit for bit, however many share the call.
 std::vector<std::vector<torch::Tensor>> grow_supertrees(std::vector<torch::Tensor> cand_tokens, std::vector<torch::Tensor> cand_base,
                                                         int64_t head, std::vector<torch::Tensor> out_rows_t, torch::Tensor table,
                                                         std::vector<torch::Tensor> hidden_proj, torch::Tensor w_state_t,
@@ -326,8 +312,7 @@ std::vector<std::vector<torch::Tensor>> grow_supertrees(std::vector<torch::Tenso
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("grow_supertree", &grow_supertree, "DARTree's supertree, grown depth by depth with the head's corrections",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("grow_supertrees", &grow_supertrees, "several requests' supertrees in one call, the requests over the threads",
+  m.def("grow_supertrees", &grow_supertrees, "requests' DARTree supertrees, grown depth by depth with the head's "
+        "corrections, in one call with the requests over the threads",
         py::call_guard<py::gil_scoped_release>());
 }

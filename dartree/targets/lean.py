@@ -187,10 +187,15 @@ class KVStore:
         if need <= self.capacity:
             return
         size = min(max(need, 2 * self.capacity), max(self.weights.max_positions, need))
+        self._reallocate(self.slots, size)
+
+    def _reallocate(self, slots: int, capacity: int) -> None:
+        """New K/V of ``slots`` slots and ``capacity`` positions holding each slot's committed rows (the
+        rest stays unwritten, see __init__)."""
         for name in ("k", "v"):
             old = getattr(self, name)
-            new = old.new_empty((*old.shape[:3], size, old.shape[4]))
-            for slot, length in enumerate(self.lengths):  # the committed rows only (see __init__)
+            new = old.new_empty((old.shape[0], slots, old.shape[2], capacity, old.shape[4]))
+            for slot, length in enumerate(self.lengths):
                 new[:, slot, :, :length] = old[:, slot, :, :length]
             setattr(self, name, new)
 
@@ -198,12 +203,7 @@ class KVStore:
         """Hold at least ``slots`` requests (the slots already held keep their rows)."""
         if slots <= self.slots:
             return
-        for name in ("k", "v"):
-            old = getattr(self, name)
-            new = old.new_empty((old.shape[0], slots, *old.shape[2:]))
-            for slot, length in enumerate(self.lengths):
-                new[:, slot, :, :length] = old[:, slot, :, :length]
-            setattr(self, name, new)
+        self._reallocate(slots, self.capacity)
         self.lengths += [0] * (slots - self.slots)
         self.slots = slots
 

@@ -107,23 +107,13 @@ def _inputs(draft, head, tables: HeadTables, tree_top_k: int) -> tuple[torch.Ten
     return cands, cand_base, out_rows_t, hidden_proj, root
 
 
-def _takes(tables: HeadTables | None, drafts) -> bool:
-    return tables is not None and all(d.base_logits.dtype == tables.table.dtype and d.base_logits.device.type == "cpu"
-                                      for d in drafts)
-
-
 @torch.no_grad()
 def grow_supertree(draft, head, tree_top_k: int, width: int, budget: int | None, beta: float):
     """``trees.dartree.grow_supertree`` with a quota of ``width`` a depth, in one compiled call: the
     supertree's (tokens, parents, depths, scores); None where the kernel does not take this head or
     these logits (the caller grows in Python)."""
-    tables = head_tables(head)
-    if not _takes(tables, [draft]):
-        return None
-    cands, cand_base, out_rows_t, hidden_proj, root = _inputs(draft, head, tables, tree_top_k)
-    return tuple(load().grow_supertree(
-        cands, cand_base, tables.kind, out_rows_t, tables.table, hidden_proj, tables.w_state_t, tables.w_hh_t, root,
-        tables.uncorrected, width, 0 if budget is None else budget, float(beta)))
+    grown = grow_supertrees([draft], head, tree_top_k, width, [budget], beta)
+    return None if grown is None else grown[0]
 
 
 @torch.no_grad()
@@ -132,7 +122,8 @@ def grow_supertrees(drafts: list, head, tree_top_k: int, width: int, budgets: li
     each request's supertree is the one it gets alone, bit for bit. None where the kernel does not take
     this head or these logits."""
     tables = head_tables(head)
-    if not _takes(tables, drafts):
+    if tables is None or not all(d.base_logits.dtype == tables.table.dtype and d.base_logits.device.type == "cpu"
+                                 for d in drafts):
         return None
     parts = list(zip(*(_inputs(d, head, tables, tree_top_k) for d in drafts)))
     grown = load().grow_supertrees(list(parts[0]), list(parts[1]), tables.kind, list(parts[2]), tables.table, list(parts[3]),
