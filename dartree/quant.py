@@ -70,8 +70,9 @@ class QuantWeight:
     """A weight [N, K] (K a multiple of 32; of 256 for the K-quants) in GGUF's blocks, packed for ``qproduct``.
 
     ``qtype`` is "Q8_0", "Q4_0", "Q4_1", "Q4_K" or "Q6_K"; ``packed`` is uint8 [ceil(N / 16), K / 32,
-    record bytes] (the same layout on every instruction-set path, described in csrc/quant_kernels.cpp;
-    Q4_K is held in Q4_1's records, exactly: scale d * sc and minimum -dmin * m per 32)."""
+    record bytes] (the same layout on every instruction-set path, described in csrc/quant_kernels.cpp:
+    Q8_0, Q4_0 and Q4_1 keep GGUF's fp16 scales, 8.5, 4.5 and 5 bits a weight as in the file; Q4_K is held
+    in Q4_1's records with float32 floats, exactly: scale d * sc and minimum -dmin * m per 32)."""
 
     qtype: str
     shape: tuple[int, int]

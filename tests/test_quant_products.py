@@ -124,8 +124,10 @@ def record_parts(qw: quant.QuantWeight) -> tuple[torch.Tensor, torch.Tensor, tor
     else:
         q = torch.cat([units & 0x0F, units >> 4], dim=2) - (8 if qw.qtype == "Q4_0" else 0)
     q = q.permute(0, 3, 1, 2, 4).reshape(groups * 16, nb, 32)[:n].double()
-    floats = qw.packed[..., qb:].contiguous().view(torch.float32).reshape(groups, nb, -1, 16)
-    floats = floats.permute(0, 3, 1, 2).reshape(groups * 16, nb, -1)[:n].double()
+    # Q8_0, Q4_0, Q4_1 keep GGUF's fp16 scales; Q4_K's and Q6_K's records hold float32
+    float_type = torch.float16 if qw.qtype in ("Q8_0", "Q4_0", "Q4_1") else torch.float32
+    floats = qw.packed[..., qb:].contiguous().view(float_type).reshape(groups, nb, -1, 16)
+    floats = floats.permute(0, 3, 1, 2).reshape(groups * 16, nb, -1)[:n].double()  # fp16 widens exactly
     a = floats[..., :2] if qw.qtype == "Q6_K" else floats[..., :1].expand(n, nb, 2)
     b = floats[..., 1] if qw.qtype in ("Q4_1", "Q4_K") else torch.zeros(n, nb, dtype=torch.float64)
     return q, a, b

@@ -16,14 +16,17 @@
 // count. A row with a NaN gives NaN (a non-finite block makes its outputs NaN); other rows are unaffected.
 //
 // Packed layout (the same on every path), per group of 16 output rows and per block of 32 inputs, one
-// record: quants, then 16 float32 scales, then 16 float32 minimums (Q4_1) or second scales (Q6_K).
+// record: quants, then 16 scales, then 16 minimums (Q4_1) or second scales (Q6_K).
 //   quants: 4-byte units [t][j][i], unit t of output row j holding its inputs 4t..4t+3:
 //     Q8_0, Q6_K: 8 units a row, the int8 value + 128 as uint8;
 //     Q4_0, Q4_1: 4 units a row, bytes with the low nibble input 4t+i and the high nibble input 16+4t+i
 //       (GGUF's own bytes qs[4t..4t+3] for Q4_0 and Q4_1).
-// Q4_K is packed into Q4_1 records (per 32: scale d * sc, minimum -(dmin * m), both exact in float32), Q6_K
-// into records of its own (int8 q - 32, a scale d * sc for each 16). Rows past N (the last group's padding)
-// have zero scales; their outputs are never written.
+//   scales: Q8_0, Q4_0, Q4_1 keep GGUF's own fp16 scales (and minimums), 2 bytes each: a one-row product
+//     streams its weights from memory, and fp32 scales made a Q4_1 record 6 bits a weight instead of 5 (the
+//     conversion to float32 is exact, so the products' bits are the same either way).
+// Q4_K is packed into Q4_1 records with float32 scales (per 32: scale d * sc, minimum -(dmin * m), exact in
+// float32, not in fp16), Q6_K into float32 records of its own (int8 q - 32, a scale d * sc for each 16).
+// Rows past N (the last group's padding) have zero scales; their outputs are never written.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -56,26 +59,47 @@ constexpr int G = 16;     // output rows per group
 constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14;
 
 constexpr bool wide(int64_t t) { return t == Q8_0 || t == Q6_K; }  // a byte a value
+constexpr bool two_floats(int64_t t) { return t == Q4_1 || t == Q6_K; }  // a second float a row: minimum or scale
 constexpr int64_t quant_bytes(int64_t t) { return wide(t) ? G * QK : G * QK / 2; }
-constexpr int64_t record_bytes(int64_t t) { return quant_bytes(t) + G * 4 + (t == Q4_1 || t == Q6_K ? G * 4 : 0); }
+// a record of type t, its floats fp16 (H) or float32
+constexpr int64_t record_bytes(int64_t t, bool H) { return quant_bytes(t) + G * (H ? 2 : 4) * (two_floats(t) ? 2 : 1); }
 constexpr int64_t record_type(int64_t t) { return t == Q4_K ? Q4_1 : t; }
+constexpr bool half_record(int64_t t) { return t == Q4_0 || t == Q4_1 || t == Q8_0; }  // GGUF's fp16 scales kept
 // GGUF's bytes per block (of 32, or of 256 for the K-quants) and values per block
 constexpr int64_t raw_bytes(int64_t t) {
   return t == Q8_0 ? 34 : t == Q4_0 ? 18 : t == Q4_1 ? 20 : t == Q4_K ? 144 : 210;
 }
 constexpr int64_t raw_values(int64_t t) { return t == Q4_K || t == Q6_K ? QKK : QK; }
 
-int64_t type_of_record(int64_t bytes) {
-  for (int64_t t : {Q4_0, Q4_1, Q8_0, Q6_K})
-    if (record_bytes(t) == bytes) return t;
+struct RecordKind {
+  int64_t type;  // Q4_0, Q4_1, Q8_0 or Q6_K
+  bool half;     // fp16 floats
+};
+
+// the record kind of a packed weight, from its record size (every kind's size differs)
+RecordKind kind_of_record(int64_t bytes) {
+  for (RecordKind k : {RecordKind{Q4_0, true}, RecordKind{Q4_1, true}, RecordKind{Q8_0, true}, RecordKind{Q4_1, false},
+                       RecordKind{Q6_K, false}})
+    if (record_bytes(k.type, k.half) == bytes) return k;
   TORCH_CHECK(false, "quant: not a packed weight (record of ", bytes, " bytes)");
-  return -1;
+  return {-1, false};
 }
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// float j (0..15) of a record's float array at p: fp16 (exactly widened) or float32
+template <bool H>
+inline float float_at(const uint8_t* p, int j) {
+  if constexpr (H) return half_to_float(p + 2 * j);
+  else {
+    float f;
+    std::memcpy(&f, p + 4 * j, 4);
+    return f;
+  }
 }
 
 // the quant byte of value v (0..31) of output row j in a record of byte-a-value quants, and the byte
@@ -188,11 +212,28 @@ inline void store_row(const float* out, float* dst, const float* res, int64_t n)
   }
 }
 
+#if defined(DQ_VNNI)
+// a record's 16 floats at p as float32 (fp16 widened exactly)
+template <bool H>
+inline __m512 floats16(const uint8_t* p) {
+  if constexpr (H) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+  else return _mm512_loadu_ps((const float*)p);
+}
+#elif defined(DQ_AVX2)
+// floats 8h..8h+7 of a record's 16 at p as float32 (fp16 widened exactly, F16C)
+template <bool H>
+inline __m256 floats8(const uint8_t* p, int h) {
+  if constexpr (H) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16 * h)));
+  else return _mm256_loadu_ps((const float*)p + 8 * h);
+}
+#endif
+
 // R activation rows (from row r0 of M) against one group's records (nb blocks), written to y columns col0..
-template <int64_t T, int R>
+template <int64_t T, bool H, int R>
 inline void tile(const uint8_t* rec, const ActBlock* act, int64_t M, int64_t nb, int64_t r0, float* y, int64_t N,
                  int64_t col0, const float* res) {
-  constexpr int64_t RB = record_bytes(T), QB = quant_bytes(T);
+  // record bytes, quant bytes, and where the second floats start
+  constexpr int64_t RB = record_bytes(T, H), QB = quant_bytes(T), SB = QB + G * (H ? 2 : 4);
   alignas(64) float out[R][G];
 #if defined(DQ_VNNI)
   __m512 acc[R];
@@ -215,7 +256,8 @@ inline void tile(const uint8_t* rec, const ActBlock* act, int64_t M, int64_t nb,
         w[4 + t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
       }
     }
-    const __m512 dw = _mm512_loadu_ps((const float*)(rb + QB));
+    const __m512 dw = floats16<H>(rb + QB);
+    const __m512 second = two_floats(T) ? floats16<H>(rb + SB) : dw;  // Q4_1's minimums, Q6_K's second scales
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       // the block's integer dot products, exact: dpbusd multiplies the weight's unsigned bytes by the row's
@@ -230,12 +272,12 @@ inline void tile(const uint8_t* rec, const ActBlock* act, int64_t M, int64_t nb,
       const __m512 dx = _mm512_set1_ps(ab[r].d);
       if constexpr (T == Q6_K) {
         acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, dx), _mm512_cvtepi32_ps(s0), acc[r]);
-        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps((const float*)(rb + QB + 64)), dx), _mm512_cvtepi32_ps(s1), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(second, dx), _mm512_cvtepi32_ps(s1), acc[r]);
       } else {
         acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, dx), _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), acc[r]);
       }
       if constexpr (T == Q4_1)
-        acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps((const float*)(rb + QB + 64)), _mm512_set1_ps(ab[r].ds), acc[r]);
+        acc[r] = _mm512_fmadd_ps(second, _mm512_set1_ps(ab[r].ds), acc[r]);
     }
   }
 #pragma GCC unroll 16
@@ -249,7 +291,8 @@ inline void tile(const uint8_t* rec, const ActBlock* act, int64_t M, int64_t nb,
     const uint8_t* rb = rec + b * RB;
     const ActBlock* ab = act + b * M + r0;
     for (int h = 0; h < 2; ++h) {
-      const __m256 dw = _mm256_loadu_ps((const float*)(rb + QB) + 8 * h);
+      const __m256 dw = floats8<H>(rb + QB, h);
+      const __m256 second = two_floats(T) ? floats8<H>(rb + SB, h) : dw;
       __m256i s[R][2];  // inputs 0..15 and 16..31
       if constexpr (wide(T)) {
         // the weight as int8, then |w| (uint8) times the row's byte with w's sign: pairs of products stay
@@ -285,15 +328,13 @@ inline void tile(const uint8_t* rec, const ActBlock* act, int64_t M, int64_t nb,
         const __m256 dx = _mm256_set1_ps(ab[r].d);
         if constexpr (T == Q6_K) {
           acc[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(s[r][0]), acc[r][h]);
-          acc[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps((const float*)(rb + QB + 64) + 8 * h), dx),
-                                      _mm256_cvtepi32_ps(s[r][1]), acc[r][h]);
+          acc[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(second, dx), _mm256_cvtepi32_ps(s[r][1]), acc[r][h]);
         } else {
           acc[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(_mm256_add_epi32(s[r][0], s[r][1])),
                                       acc[r][h]);
         }
         if constexpr (T == Q4_1)
-          acc[r][h] = _mm256_fmadd_ps(_mm256_loadu_ps((const float*)(rb + QB + 64) + 8 * h), _mm256_set1_ps(ab[r].ds),
-                                      acc[r][h]);
+          acc[r][h] = _mm256_fmadd_ps(second, _mm256_set1_ps(ab[r].ds), acc[r][h]);
       }
     }
   }
@@ -307,9 +348,11 @@ inline void tile(const uint8_t* rec, const ActBlock* act, int64_t M, int64_t nb,
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* rb = rec + b * RB;
     const ActBlock* ab = act + b * M + r0;
-    const float* dw = (const float*)(rb + QB);
-    // Q4_1's minimums, Q6_K's scales of inputs 16..31 (no second floats in the other records)
-    const float* second = T == Q4_1 || T == Q6_K ? (const float*)(rb + QB + 64) : dw;
+    float dw[G], second[G];  // scales; Q4_1's minimums, Q6_K's scales of inputs 16..31
+    for (int j = 0; j < G; ++j) {
+      dw[j] = float_at<H>(rb + QB, j);
+      second[j] = two_floats(T) ? float_at<H>(rb + SB, j) : dw[j];
+    }
     for (int r = 0; r < R; ++r) {
       const int8_t* xb = reinterpret_cast<const int8_t*>(ab[r].q);
       for (int j = 0; j < G; ++j) {
@@ -350,18 +393,18 @@ constexpr int ROWS_PER_TILE = 2;
 constexpr int ROWS_PER_TILE = 4;
 #endif
 
-template <int64_t T>
+template <int64_t T, bool H>
 void product_impl(const ActBlock* act, int64_t M, int64_t nb, const uint8_t* packed, int64_t N, float* y,
                   const float* res) {
-  const int64_t groups = (N + G - 1) / G, group_bytes = nb * record_bytes(T);
+  const int64_t groups = (N + G - 1) / G, group_bytes = nb * record_bytes(T, H);
   // threads split the output groups; a group's records (a few KiB) stay in L1 while every row tile reads them
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* rec = packed + g * group_bytes;
       int64_t r = 0;
-      for (; r + ROWS_PER_TILE <= M; r += ROWS_PER_TILE) tile<T, ROWS_PER_TILE>(rec, act, M, nb, r, y, N, g * G, res);
+      for (; r + ROWS_PER_TILE <= M; r += ROWS_PER_TILE) tile<T, H, ROWS_PER_TILE>(rec, act, M, nb, r, y, N, g * G, res);
       switch (M - r) {
-#define DQ_TAIL(n) case n: if constexpr (n < ROWS_PER_TILE) tile<T, n>(rec, act, M, nb, r, y, N, g * G, res); break;
+#define DQ_TAIL(n) case n: if constexpr (n < ROWS_PER_TILE) tile<T, H, n>(rec, act, M, nb, r, y, N, g * G, res); break;
         DQ_TAIL(15) DQ_TAIL(14) DQ_TAIL(13) DQ_TAIL(12) DQ_TAIL(11) DQ_TAIL(10) DQ_TAIL(9) DQ_TAIL(8)
         DQ_TAIL(7) DQ_TAIL(6) DQ_TAIL(5) DQ_TAIL(4) DQ_TAIL(3) DQ_TAIL(2) DQ_TAIL(1)
 #undef DQ_TAIL
@@ -377,6 +420,7 @@ void product_impl(const ActBlock* act, int64_t M, int64_t nb, const uint8_t* pac
 struct Decoded {
   int q[QK];
   float a, b;
+  uint16_t half_a, half_b;  // Q8_0, Q4_0, Q4_1: GGUF's fp16 bits of a and b (b's 0 for Q8_0 and Q4_0)
 };
 
 // block b (of 32) of a row of GGUF blocks
@@ -386,6 +430,8 @@ Decoded decode(const uint8_t* row, int64_t qtype, int64_t b) {
     const uint8_t* blk = row + b * raw_bytes(qtype);
     o.a = half_to_float(blk);
     o.b = qtype == Q4_1 ? half_to_float(blk + 2) : 0.0f;
+    std::memcpy(&o.half_a, blk, 2);
+    if (qtype == Q4_1) std::memcpy(&o.half_b, blk + 2, 2);
     const uint8_t* qs = blk + (qtype == Q4_1 ? 4 : 2);
     for (int v = 0; v < QK; ++v)
       o.q[v] = qtype == Q8_0 ? (int)(int8_t)qs[v] : (v < 16 ? qs[v] & 0x0F : qs[v - 16] >> 4);
@@ -435,7 +481,9 @@ torch::Tensor pack(torch::Tensor raw, int64_t qtype, int64_t K) {
               qtype, " is not Q4_0, Q4_1, Q8_0, Q4_K or Q6_K");
   TORCH_CHECK(K > 0 && K % raw_values(qtype) == 0, "quant.pack: K must be a positive multiple of ", raw_values(qtype));
   TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == torch::kUInt8 && raw.is_contiguous(), "quant.pack: contiguous uint8 [N, bytes]");
-  const int64_t rt = record_type(qtype), N = raw.size(0), nb = K / QK, RB = record_bytes(rt), QB = quant_bytes(rt);
+  const int64_t rt = record_type(qtype), N = raw.size(0), nb = K / QK;
+  const bool H = half_record(qtype);
+  const int64_t RB = record_bytes(rt, H), QB = quant_bytes(rt), SB = QB + G * (H ? 2 : 4);
   const int64_t row_bytes = K / raw_values(qtype) * raw_bytes(qtype);
   TORCH_CHECK(raw.size(1) == row_bytes, "quant.pack: ", raw.size(1), " bytes a row, expected ", row_bytes);
   const int64_t groups = (N + G - 1) / G;
@@ -454,8 +502,13 @@ torch::Tensor pack(torch::Tensor raw, int64_t qtype, int64_t K) {
             continue;
           }
           const Decoded o = decode(src + n * row_bytes, qtype, b);
-          ((float*)(rec + QB))[j] = o.a;
-          if (rt == Q4_1 || rt == Q6_K) ((float*)(rec + QB + 64))[j] = o.b;
+          if (H) {
+            std::memcpy(rec + QB + 2 * j, &o.half_a, 2);
+            if (two_floats(rt)) std::memcpy(rec + SB + 2 * j, &o.half_b, 2);
+          } else {
+            std::memcpy(rec + QB + 4 * j, &o.a, 4);
+            if (two_floats(rt)) std::memcpy(rec + SB + 4 * j, &o.b, 4);
+          }
           for (int v = 0; v < QK; ++v) {
             if (wide(rt)) rec[wide_at(v, j)] = (uint8_t)(o.q[v] + 128);
             else rec[nibble_at(v, j)] |= (uint8_t)(v < 16 ? o.q[v] : o.q[v] << 4);
@@ -470,7 +523,8 @@ torch::Tensor pack(torch::Tensor raw, int64_t qtype, int64_t K) {
 // Q6_K: q * d; Q4_0: d * (q - 8); Q4_1 and Q4_K: d * q + m), each a correctly rounded operation
 torch::Tensor dequantize(torch::Tensor packed, int64_t N) {
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(), "quant.dequantize: a packed weight");
-  const int64_t rt = type_of_record(packed.size(2)), nb = packed.size(1), K = nb * QK, QB = quant_bytes(rt);
+  const RecordKind kind = kind_of_record(packed.size(2));
+  const int64_t rt = kind.type, nb = packed.size(1), K = nb * QK, QB = quant_bytes(rt), SB = QB + G * (kind.half ? 2 : 4);
   TORCH_CHECK(N <= packed.size(0) * G && N > (packed.size(0) - 1) * G, "quant.dequantize: n does not match the packed rows");
   auto w = torch::empty({N, K}, torch::dtype(torch::kFloat32));
   const uint8_t* p = packed.data_ptr<uint8_t>();
@@ -480,8 +534,8 @@ torch::Tensor dequantize(torch::Tensor packed, int64_t N) {
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* rec = p + ((n / G) * nb + b) * packed.size(2);
         const int j = n % G;
-        const float a = ((const float*)(rec + QB))[j];
-        const float second = rt == Q4_1 || rt == Q6_K ? ((const float*)(rec + QB + 64))[j] : 0.0f;
+        const float a = kind.half ? float_at<true>(rec + QB, j) : float_at<false>(rec + QB, j);
+        const float second = !two_floats(rt) ? 0.0f : kind.half ? float_at<true>(rec + SB, j) : float_at<false>(rec + SB, j);
         float* o = out + n * K + b * QK;
         for (int v = 0; v < QK; ++v) {
           if (wide(rt)) {
@@ -519,7 +573,8 @@ std::vector<torch::Tensor> quantize_rows(torch::Tensor x) {
 torch::Tensor qproduct(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> residual) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "qproduct: contiguous float32 x [M, K]");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(), "qproduct: a packed weight");
-  const int64_t rt = type_of_record(packed.size(2)), M = x.size(0), K = x.size(1), nb = packed.size(1);
+  const RecordKind kind = kind_of_record(packed.size(2));
+  const int64_t rt = kind.type, M = x.size(0), K = x.size(1), nb = packed.size(1);
   TORCH_CHECK(K == nb * QK, "qproduct: x has ", K, " columns, the weight ", nb * QK);
   TORCH_CHECK(N <= packed.size(0) * G && N > (packed.size(0) - 1) * G, "qproduct: n does not match the packed rows");
   const bool has_res = residual.has_value() && residual->defined();
@@ -553,10 +608,11 @@ torch::Tensor qproduct(torch::Tensor x, torch::Tensor packed, int64_t N, c10::op
   const float* rp = has_res ? residual->data_ptr<float>() : nullptr;
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  if (rt == Q8_0) product_impl<Q8_0>(act.data(), M, nb, wp, N, yp, rp);
-  else if (rt == Q4_0) product_impl<Q4_0>(act.data(), M, nb, wp, N, yp, rp);
-  else if (rt == Q4_1) product_impl<Q4_1>(act.data(), M, nb, wp, N, yp, rp);
-  else product_impl<Q6_K>(act.data(), M, nb, wp, N, yp, rp);
+  if (rt == Q8_0) product_impl<Q8_0, true>(act.data(), M, nb, wp, N, yp, rp);
+  else if (rt == Q4_0) product_impl<Q4_0, true>(act.data(), M, nb, wp, N, yp, rp);
+  else if (rt == Q4_1 && kind.half) product_impl<Q4_1, true>(act.data(), M, nb, wp, N, yp, rp);
+  else if (rt == Q4_1) product_impl<Q4_1, false>(act.data(), M, nb, wp, N, yp, rp);  // packed from Q4_K
+  else product_impl<Q6_K, false>(act.data(), M, nb, wp, N, yp, rp);
   return y;
 }
 
