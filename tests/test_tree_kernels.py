@@ -131,3 +131,14 @@ def test_the_builder_grows_a_batch_in_one_compiled_call(monkeypatch):
     assert calls == [4]
     for a, b in zip(together, alone):
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents) and torch.equal(a.rank, b.rank)
+
+
+@pytest.mark.parametrize("reduced", [False, True])
+def test_the_root_read_from_the_token_table_is_the_heads_initial_state(reduced):
+    head, d2t = make_head("domino", 3, 61 if reduced else None, 1)
+    tables = grow_kernel.head_tables(head)
+    in_draft = 0
+    for bonus in range(TARGET_VOCAB):
+        in_draft += int(tables.draft_id[bonus]) >= 0 if bonus < tables.draft_id.numel() else 0
+        torch.testing.assert_close(grow_kernel._root(head, tables, bonus), head.initial_state(bonus)[0], rtol=1e-12, atol=1e-12)
+    assert in_draft == (61 if reduced else TARGET_VOCAB)  # both ways were taken where the vocabulary is reduced

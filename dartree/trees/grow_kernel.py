@@ -56,6 +56,7 @@ class HeadTables:
     w_state_t: torch.Tensor  # Domino: W_s transposed [S, R]
     w_hh_t: torch.Tensor     # Domino: the GRU's hidden weights transposed [S, 3S]
     uncorrected: int
+    draft_id: torch.Tensor   # Domino: each target token's draft id (-1: not in the draft vocabulary)
 
 
 def _version(head) -> tuple:
@@ -83,14 +84,16 @@ def head_tables(head) -> HeadTables | None:
         if w2.shape[0] * w_ih.shape[0] * param.element_size() > MAX_TABLE_BYTES:
             return None
         table = head._embed(ids).to(param.dtype) @ w_ih.T
+        draft_id = torch.full((int(ids.max()) + 1,), -1, dtype=torch.long)
+        draft_id[ids] = torch.arange(ids.numel())
         tables = HeadTables(DOMINO, table.contiguous(), w2.detach().contiguous(),
                             head.embed_proj[0].weight[:, head.hidden_size:].detach().T.contiguous(),
-                            head.prefix_gru.weight_hh_l0.detach().T.contiguous(), head.uncorrected_depths)
+                            head.prefix_gru.weight_hh_l0.detach().T.contiguous(), head.uncorrected_depths, draft_id)
     else:
         w2 = head.markov_w2.weight
         ids = head.target_ids(torch.arange(w2.shape[0]))
         tables = HeadTables(MARKOV, head.markov_w1.weight[ids].detach().contiguous(), w2.detach().contiguous(),
-                            empty, empty, head.uncorrected_depths)
+                            empty, empty, head.uncorrected_depths, torch.zeros(0, dtype=torch.long))
     head.__dict__["_grow_tables"] = (key, tables)
     return tables
 
@@ -103,8 +106,20 @@ def _inputs(draft, head, tables: HeadTables, tree_top_k: int) -> tuple[torch.Ten
     cand_base = base.gather(1, cands).contiguous()
     out_rows_t = tables.out_rows[cands].transpose(1, 2).contiguous()
     hidden_proj = head.start_round(draft.hidden, base).hidden_proj.contiguous() if tables.kind == DOMINO else base.new_zeros(0)
-    root = head.initial_state(draft.bonus)[0].contiguous()
-    return cands, cand_base, out_rows_t, hidden_proj, root
+    return cands, cand_base, out_rows_t, hidden_proj, _root(head, tables, draft.bonus)
+
+
+def _root(head, tables: HeadTables, bonus: int) -> torch.Tensor:
+    """The head's state after the bonus token (``head.initial_state``). Domino's step from the zero state
+    needs the bonus's input projection, already a row of the token table where the bonus is a draft token:
+    the row read instead of a product with the GRU's input weights (a third of a millisecond a round on a
+    CPU, those weights cold after the target's forward). The same values up to the order of that product's
+    sums (the compiled and the Python growers' trees agree node for node: tests/test_tree_kernels.py)."""
+    if tables.kind == DOMINO and 0 <= bonus < tables.draft_id.numel() and int(tables.draft_id[bonus]) >= 0:
+        gi = tables.table[int(tables.draft_id[bonus])]
+        size = gi.numel() // 3  # gate order (r, z, n); from the zero state r does not enter
+        return ((1 - torch.sigmoid(gi[size:2 * size])) * torch.tanh(gi[2 * size:])).contiguous()
+    return head.initial_state(bonus)[0].contiguous()
 
 
 @torch.no_grad()
