@@ -248,8 +248,9 @@ def forward(weights: LeanWeights, store: KVStore, rows: Rows, tapped_layers: lis
     x = w.embedding(rows.tokens).to(w.dtype).contiguous()
     tapped = {}
     hidden = w.hidden
+    k_layers, v_layers = store.k.unbind(0), store.v.unbind(0)  # each layer's K/V view, made in one call
     for i, layer in enumerate(w.layers):
-        k_cache, v_cache = store.k[i], store.v[i]
+        k_cache, v_cache = k_layers[i], v_layers[i]
         h = ext.rmsnorm(x, layer.input_norm, w.eps)
         qkv = w.product(h, layer.qkv, (w.heads + 2 * w.kv_heads) * w.head_dim)
         q = ext.rope_store(qkv, cos, sin, layer.q_norm, layer.k_norm, w.eps, w.heads, w.kv_heads, k_cache, v_cache,

@@ -116,6 +116,7 @@ class QuantizedWeights(LeanWeights):
             raise DartreeError("the quantised products could not be built on this machine (see the message above); "
                                "use weights='float32'")
         self.source = GGUFTensors(gguf) if weights == "file" else None
+        self._qext = quant.load()
         super().__init__(model, products="exact")
         # the embedding as stored where it can be (the float32 table is then never read: its pages stay on disk)
         stored = q8_embedding(self.source, model) if self.source is not None else None
@@ -161,4 +162,6 @@ class QuantizedWeights(LeanWeights):
         return weight
 
     def product(self, x: torch.Tensor, weight, n: int, residual: torch.Tensor | None = None) -> torch.Tensor:
-        return quant.qproduct(x, weight, residual)
+        # ``quant.qproduct`` without its wrapper: four products a layer, and the kernels hand on contiguous rows
+        # (the compiled product checks that they are)
+        return self._qext.qproduct(x, weight.packed, weight.shape[0], residual)
