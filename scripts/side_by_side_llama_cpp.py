@@ -38,7 +38,6 @@ def main() -> None:
     from dartree.bench import llama_cpp
     from dartree.bench.datasets import DATASETS, load_samples, select
     from dartree.hardware import describe_machine
-    from dartree.pipeline import Pipeline
 
     if llama_cpp.missing():
         raise SystemExit(llama_cpp.missing())
@@ -47,7 +46,8 @@ def main() -> None:
     lean = dartree.load(threads=args.threads, lean=True)
     runs = {"lean": (lean, args.methods.split(","))}
     if args.hf_methods:  # the same model and drafter on the Hugging Face forward (its own cost model)
-        runs["hf"] = (Pipeline(lean.target_model, lean.drafter, lean.tokenizer, lean=False), args.hf_methods.split(","))
+        # (on the float32 checkpoint: the default target is built straight from the GGUF file, with no float32 weights)
+        runs["hf"] = (dartree.load(threads=args.threads, lean=False, weights="float32"), args.hf_methods.split(","))
     records = []
     for name, (pipe, methods) in runs.items():
         pipe.generate("warm up", method="dartree", max_new_tokens=8)

@@ -112,3 +112,58 @@ def test_two_first_runs_at_once_share_one_converted_checkpoint(tmp_path):
     (tmp_path / "other" / "stray").write_text("")
     with pytest.raises(OSError):  # a folder in the way that is no finished checkpoint is not hidden
         publish(half, tmp_path / "other")
+
+
+def test_the_default_target_is_built_straight_from_the_gguf_file(pipe, float32_pipe):
+    """No float32 copy of the weights: the module holds only the norms and the RoPE tables, the products and the
+    embedding are the file's, and its rows have the bits of the file target built from the float32 checkpoint."""
+    import torch
+
+    from dartree import quant
+    from dartree.targets.lean import Rows, forward
+    from dartree.targets.quantized import QuantizedWeights, from_gguf
+    from dartree.default_model import default_target_dir, gguf_path
+
+    model = pipe.target_model
+    assert from_gguf(model) and not from_gguf(float32_pipe.target_model)
+    real = {name for name, p in model.named_parameters() if p.device.type != "meta"}
+    assert real and all(name.endswith("norm.weight") for name in real)  # the rest never took memory
+    with pytest.raises((RuntimeError, NotImplementedError)):  # its own forward fails instead of computing with nothing
+        model(torch.tensor([[1, 2, 3]]))
+    # the same file target made from the float32 checkpoint (the reference the file's rows were checked against)
+    from_checkpoint = QuantizedWeights(float32_pipe.target_model, "file", gguf_path())
+    store_a, store_b = pipe.target.store, type(pipe.target.store)(from_checkpoint, slots=1)
+    for store in (store_a, store_b):
+        store.reserve(64)
+        store.lengths[0] = 0
+    n = 24
+    rows = Rows.one_request(torch.arange(n) * 1999 % 49152, 0, 0, torch.arange(n), torch.tril(torch.ones(n, n)))
+    hidden_a, _ = forward(pipe.target.weights, store_a, rows)
+    hidden_b, _ = forward(from_checkpoint, store_b, rows)
+    assert torch.equal(pipe.target.weights.logits(hidden_a), from_checkpoint.logits(hidden_b))
+    # a drafter that borrows the target's output layer gets the file's values, the checkpoint's bits
+    assert torch.equal(pipe.target.lm_head.weight, float32_pipe.target_model.get_output_embeddings().weight)
+    assert torch.equal(pipe.target.lm_head.weight, quant.dequantize(pipe.target.weights.output))
+    store_a.lengths[0] = 0
+    assert default_target_dir().is_dir()  # (made by the float32 fixture, not by the default load)
+
+
+def test_the_default_load_makes_only_the_config_folder(tmp_path, monkeypatch):
+    """A first run of the default (the file as stored) writes the model's config and tokenizer, not a float32
+    checkpoint."""
+    from dartree import default_model, pipeline
+
+    monkeypatch.setattr(default_model, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(pipeline, "default_target_dir", lambda: pytest.fail("the float32 checkpoint was asked for"))
+    pipe = dartree.load(cost_model=None)
+    assert pipe.target.name == "lean-q4_1+q8_0"
+    made = sorted(p.name for p in tmp_path.iterdir())
+    assert made == ["smollm2-135m-instruct-config"]
+    files = {p.name for p in (tmp_path / made[0]).iterdir()}
+    assert {"config.json", "generation_config.json", "tokenizer.json"} <= files
+    assert not any(name.endswith(".safetensors") for name in files)
+    ids = pipe.tokenizer("What is 2 + 2?")["input_ids"]
+    assert pipe.generate("What is 2 + 2?", method="ar", max_new_tokens=8).token_ids and ids
+    with pytest.raises(dartree.DartreeError, match="float32"):
+        from dartree.targets.quantized import QuantizedWeights
+        QuantizedWeights(pipe.target_model, "q8_0")

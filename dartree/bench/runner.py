@@ -23,6 +23,7 @@ from ..budget import BudgetPolicy
 from ..costmodel import CostModel
 from ..errors import require
 from ..settings import GenerationSettings
+from ..targets.quantized import from_gguf
 from ..trees import BUILDERS, TreeSettings, make_builder
 from . import llama_cpp
 from .datasets import Sample
@@ -142,11 +143,16 @@ def plain_hf_model(pipe) -> torch.nn.Module:
     Hugging Face's own attention and products (dartree's loading changes both on a CPU), once per
     target, dtype and device. The Hugging Face peers run on it."""
     model = pipe.target_model
-    key = (str(model.config._name_or_path), str(model.dtype), str(model.device))
+    if from_gguf(model):  # the target on the bundled file as stored: the peers load its float32 checkpoint
+        from ..default_model import default_target_dir
+
+        key = (str(default_target_dir()), str(model.dtype), "cpu")
+    else:
+        key = (str(model.config._name_or_path), str(model.dtype), str(model.device))
     if key not in _PLAIN_MODELS:
         from transformers import AutoModelForCausalLM
 
-        _PLAIN_MODELS[key] = AutoModelForCausalLM.from_pretrained(key[0], dtype=model.dtype).to(model.device).eval()
+        _PLAIN_MODELS[key] = AutoModelForCausalLM.from_pretrained(key[0], dtype=model.dtype).to(key[2]).eval()
     return _PLAIN_MODELS[key]
 
 

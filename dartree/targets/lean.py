@@ -48,7 +48,7 @@ def unsupported_reason(model: nn.Module) -> str | None:
     param = next(model.parameters())
     if getattr(cfg, "model_type", None) not in FAMILIES:
         return f"model type {getattr(cfg, 'model_type', None)!r} (the lean forward implements {', '.join(FAMILIES)})"
-    if param.device.type != "cpu":
+    if param.device.type != "cpu" and not getattr(model, "dartree_weights_in_gguf", False):  # (its weights: the file's)
         return f"device {param.device.type} (the lean forward is for the CPU)"
     if param.dtype not in (torch.float32, torch.float64):
         return f"dtype {param.dtype} (the lean forward is float32/float64)"
@@ -267,12 +267,25 @@ def forward(weights: LeanWeights, store: KVStore, rows: Rows, tapped_layers: lis
 
 class LeanOutput(nn.Module):
     """The target's output layer on the packed weight; ``weight`` is the model's own (the drafter
-    borrows it, as it borrows the embedding)."""
+    borrows it, as it borrows the embedding), or, for a target built straight from its GGUF file (no
+    float32 weights), the file's output weight dequantised on first use: its values, bit for bit."""
 
     def __init__(self, weights: LeanWeights, head: nn.Module):
         super().__init__()
         self._weights = weights
-        self.weight = head.weight
+        if head.weight.device.type == "meta":
+            self._dequantized = None
+        else:
+            self.weight = head.weight
+
+    def __getattr__(self, name):
+        if name == "weight" and "_dequantized" in self.__dict__:
+            if self.__dict__["_dequantized"] is None:
+                from .. import quant
+
+                self.__dict__["_dequantized"] = nn.Parameter(quant.dequantize(self._weights.output), requires_grad=False)
+            return self.__dict__["_dequantized"]
+        return super().__getattr__(name)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if hidden.dtype != self._weights.dtype or torch.is_grad_enabled() and hidden.requires_grad:

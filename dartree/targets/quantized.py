@@ -50,6 +50,13 @@ class GGUFTensors:
         arch = self.reader.fields.get("general.architecture")
         self.arch = bytes(arch.parts[arch.data[0]]).decode() if arch is not None else "?"
 
+    def float_tensor(self, name: str) -> torch.Tensor:
+        """A float32 (F32) tensor of the file, e.g. a norm's weight, as a torch tensor of its own."""
+        t = self.tensors.get(name)
+        if t is None or t.tensor_type.name != "F32":
+            raise DartreeError(f"{self.path.name}: no float32 tensor {name!r}; is this the model's own GGUF file?")
+        return torch.from_numpy(t.data.copy()).reshape(list(reversed([int(d) for d in t.shape])))
+
     def raw(self, name: str) -> tuple[str, torch.Tensor, int]:
         """(quantisation type, uint8 blocks [N, bytes per row], K) of tensor ``name``."""
         if name not in self.tensors:
@@ -82,6 +89,45 @@ class Q8Embedding(nn.Module):
         return (scale * values).reshape(*ids.shape, self.embedding_dim)
 
 
+# Hugging Face's norm of a Llama decoder layer -> the GGUF tensor holding it
+_LAYER_NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+
+
+def from_gguf(model: nn.Module) -> bool:
+    """Whether ``model`` is a ``model_from_gguf`` module (its products' weights are only in the GGUF file)."""
+    return bool(getattr(model, "dartree_weights_in_gguf", False))
+
+
+def model_from_gguf(config_dir: str | Path, source: GGUFTensors) -> nn.Module:
+    """The Hugging Face module of a Llama GGUF file for the target on the file as stored, without a float32
+    copy of its weights: made from its config on the meta device (no memory, no initialisation), with only
+    what the lean forward reads from the module made real: the norms (the file's F32 tensors) and the RoPE
+    tables. The products and the embedding come from the file (``QuantizedWeights``); anything that would
+    read the module's other weights (its own forward, training) fails on the meta tensors instead of
+    computing with them: those need the float32 checkpoint (``weights="float32"``)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    from ..taps import decoder_layers
+
+    config = AutoConfig.from_pretrained(config_dir)
+    if config.model_type != "llama" or source.arch != "llama":
+        raise DartreeError(f"a target straight from a GGUF file is built for Llama files; {source.path.name} is "
+                           f"{source.arch!r}: use weights='float32'")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if (Path(config_dir) / "generation_config.json").is_file():  # its stop tokens, as from_pretrained reads them
+        model.generation_config = GenerationConfig.from_pretrained(config_dir)
+    with torch.no_grad():
+        for i, block in enumerate(decoder_layers(model)):
+            for attr, name in _LAYER_NORMS.items():
+                norm = getattr(block, attr)
+                norm.weight = nn.Parameter(source.float_tensor(f"blk.{i}.{name}.weight"), requires_grad=False)
+        model.model.norm.weight = nn.Parameter(source.float_tensor("output_norm.weight"), requires_grad=False)
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)  # its tables, on the CPU
+    model.dartree_weights_in_gguf = True
+    return model.eval()
+
+
 def q8_embedding(source: GGUFTensors, model: nn.Module) -> Q8Embedding | None:
     """The file's token embedding as a ``Q8Embedding`` where it is Q8_0 and gives the model's rows bit for
     bit (checked on rows spread over the table, the first and last included); else None (the model's own)."""
@@ -89,6 +135,8 @@ def q8_embedding(source: GGUFTensors, model: nn.Module) -> Q8Embedding | None:
     if t is None or t.tensor_type.name != "Q8_0":
         return None
     qtype, raw, k = source.raw("token_embd.weight")
+    if from_gguf(model):  # the file is the model: no other table to agree with
+        return Q8Embedding(raw, k)
     float_table = model.get_input_embeddings().weight
     if tuple(float_table.shape) != (raw.shape[0], k) or float_table.dtype != torch.float32:
         return None
@@ -103,7 +151,7 @@ class QuantizedWeights(LeanWeights):
 
     row_invariant = True
 
-    def __init__(self, model: nn.Module, weights: str = "file", gguf: str | Path | None = None):
+    def __init__(self, model: nn.Module, weights: str = "file", gguf: str | Path | GGUFTensors | None = None):
         if weights not in ("file", "q8_0"):
             raise DartreeError(f"quantised weights are 'file' or 'q8_0', got {weights!r}")
         if weights == "file" and gguf is None:
@@ -115,13 +163,19 @@ class QuantizedWeights(LeanWeights):
         if not quant.available():
             raise DartreeError("the quantised products could not be built on this machine (see the message above); "
                                "use weights='float32'")
-        self.source = GGUFTensors(gguf) if weights == "file" else None
+        if weights != "file" and from_gguf(model):
+            raise DartreeError(f"weights={weights!r} needs the model's float32 weights; this target was built straight "
+                               "from its GGUF file (load with weights='float32')")
+        self.source = (gguf if isinstance(gguf, GGUFTensors) else GGUFTensors(gguf)) if weights == "file" else None
         self._qext = quant.load()
         super().__init__(model, products="exact")
         # the embedding as stored where it can be (the float32 table is then never read: its pages stay on disk)
         stored = q8_embedding(self.source, model) if self.source is not None else None
         if stored is not None:
             self.embedding = stored
+        elif from_gguf(model):
+            raise DartreeError(f"{self.source.path.name}: the token embedding is not Q8_0; a target straight from the "
+                               "file needs it stored as Q8_0 (load with weights='float32')")
         # the parsed file (its tokenizer fields alone are ~150 MB of Python objects) and its mapping are
         # dropped once every weight is packed: what stays resident is the packed weights
         self.source = None
@@ -154,7 +208,7 @@ class QuantizedWeights(LeanWeights):
             raise DartreeError(f"layer {layer}: {role} mixes quantisation types {[q for q, _ in parts]}; "
                                "load with weights='q8_0' or 'float32'")
         weight = quant.QuantWeight.from_blocks(parts[0][0], torch.cat([r for _, r in parts]), k)
-        if layer == 0 and role == "qkv":  # the file is this model's: its values are the checkpoint's
+        if layer == 0 and role == "qkv" and not from_gguf(self.model):  # the file is this model's: its values are the checkpoint's
             got, want = quant.dequantize(weight), float_weight()
             if got.shape != want.shape or not torch.equal(got, want.to(got.dtype)):
                 raise DartreeError(f"{self.source.path.name} does not hold this model's weights (layer 0's q, k, v "
