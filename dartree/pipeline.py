@@ -331,10 +331,13 @@ def load(target: str | Path | None = None, drafter: str | Path | None = None, dt
         gguf = gguf_path()
         if drafter is None:
             drafter = default_drafter_dir()
+        float32_cpu = torch.device(device).type == "cpu" and dtype == torch.float32
         if weights == "auto":  # the file as stored wherever the lean forward and its integer kernels run
-            weights = "file" if torch.device(device).type == "cpu" and dtype == torch.float32 and lean is not False \
-                and kernels.available() and quant.available() else "float32"
+            weights = "file" if float32_cpu and lean is not False and kernels.available() and quant.available() \
+                else "float32"
         if weights == "file":  # built straight from the file: no float32 checkpoint is made or read
+            require(float32_cpu, f"weights='file' runs the GGUF file on the CPU with float32 activations; got dtype "
+                                 f"{dtype} on {device}: use weights='float32' for another dtype or device")
             target, gguf = default_target_config_dir(), GGUFTensors(gguf)
             model = model_from_gguf(target, gguf)
         else:

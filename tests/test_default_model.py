@@ -167,3 +167,9 @@ def test_the_default_load_makes_only_the_config_folder(tmp_path, monkeypatch):
     with pytest.raises(dartree.DartreeError, match="float32"):
         from dartree.targets.quantized import QuantizedWeights
         QuantizedWeights(pipe.target_model, "q8_0")
+
+
+def test_the_file_target_refuses_another_dtype_or_device_before_loading():
+    for kwargs in ({"dtype": "bfloat16"}, {"dtype": "float64"}):
+        with pytest.raises(dartree.DartreeError, match="weights='file' runs the GGUF file on the CPU"):
+            dartree.load(weights="file", cost_model=None, **kwargs)
