@@ -23,7 +23,7 @@ from ..budget import BudgetPolicy
 from ..costmodel import CostModel
 from ..errors import require
 from ..settings import GenerationSettings
-from ..targets.quantized import from_gguf
+from ..targets.lean import from_gguf
 from ..trees import BUILDERS, TreeSettings, make_builder
 from . import llama_cpp
 from .datasets import Sample

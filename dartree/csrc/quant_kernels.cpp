@@ -63,6 +63,8 @@ constexpr bool two_floats(int64_t t) { return t == Q4_1 || t == Q6_K; }  // a se
 constexpr int64_t quant_bytes(int64_t t) { return wide(t) ? G * QK : G * QK / 2; }
 // a record of type t, its floats fp16 (H) or float32
 constexpr int64_t record_bytes(int64_t t, bool H) { return quant_bytes(t) + G * (H ? 2 : 4) * (two_floats(t) ? 2 : 1); }
+// where a record's second floats start (after the quants and the scales)
+constexpr int64_t second_at(int64_t t, bool H) { return quant_bytes(t) + G * (H ? 2 : 4); }
 constexpr int64_t record_type(int64_t t) { return t == Q4_K ? Q4_1 : t; }
 constexpr bool half_record(int64_t t) { return t == Q4_0 || t == Q4_1 || t == Q8_0; }  // GGUF's fp16 scales kept
 // GGUF's bytes per block (of 32, or of 256 for the K-quants) and values per block
@@ -233,7 +235,7 @@ template <int64_t T, bool H, int R>
 inline void tile(const uint8_t* rec, const ActBlock* act, int64_t M, int64_t nb, int64_t r0, float* y, int64_t N,
                  int64_t col0, const float* res) {
   // record bytes, quant bytes, and where the second floats start
-  constexpr int64_t RB = record_bytes(T, H), QB = quant_bytes(T), SB = QB + G * (H ? 2 : 4);
+  constexpr int64_t RB = record_bytes(T, H), QB = quant_bytes(T), SB = second_at(T, H);
   alignas(64) float out[R][G];
 #if defined(DQ_VNNI)
   __m512 acc[R];
@@ -483,7 +485,7 @@ torch::Tensor pack(torch::Tensor raw, int64_t qtype, int64_t K) {
   TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == torch::kUInt8 && raw.is_contiguous(), "quant.pack: contiguous uint8 [N, bytes]");
   const int64_t rt = record_type(qtype), N = raw.size(0), nb = K / QK;
   const bool H = half_record(qtype);
-  const int64_t RB = record_bytes(rt, H), QB = quant_bytes(rt), SB = QB + G * (H ? 2 : 4);
+  const int64_t RB = record_bytes(rt, H), QB = quant_bytes(rt), SB = second_at(rt, H);
   const int64_t row_bytes = K / raw_values(qtype) * raw_bytes(qtype);
   TORCH_CHECK(raw.size(1) == row_bytes, "quant.pack: ", raw.size(1), " bytes a row, expected ", row_bytes);
   const int64_t groups = (N + G - 1) / G;
@@ -524,7 +526,7 @@ torch::Tensor pack(torch::Tensor raw, int64_t qtype, int64_t K) {
 torch::Tensor dequantize(torch::Tensor packed, int64_t N) {
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(), "quant.dequantize: a packed weight");
   const RecordKind kind = kind_of_record(packed.size(2));
-  const int64_t rt = kind.type, nb = packed.size(1), K = nb * QK, QB = quant_bytes(rt), SB = QB + G * (kind.half ? 2 : 4);
+  const int64_t rt = kind.type, nb = packed.size(1), K = nb * QK, QB = quant_bytes(rt), SB = second_at(rt, kind.half);
   TORCH_CHECK(N <= packed.size(0) * G && N > (packed.size(0) - 1) * G, "quant.dequantize: n does not match the packed rows");
   auto w = torch::empty({N, K}, torch::dtype(torch::kFloat32));
   const uint8_t* p = packed.data_ptr<uint8_t>();

@@ -42,13 +42,19 @@ PREFILL_CHUNK = 256  # prompt rows per forward: bounds the visibility matrix (ro
 PRODUCTS = ("exact", "bfloat16")
 
 
+def from_gguf(model: nn.Module) -> bool:
+    """Whether ``model`` is a ``quantized.model_from_gguf`` module: its weights other than the norms are only in its
+    GGUF file (the module's are on the meta device), which the quantised target reads."""
+    return bool(getattr(model, "dartree_weights_in_gguf", False))
+
+
 def unsupported_reason(model: nn.Module) -> str | None:
     """Why ``model`` cannot run on the lean forward (None when it can)."""
     cfg = model.config
     param = next(model.parameters())
     if getattr(cfg, "model_type", None) not in FAMILIES:
         return f"model type {getattr(cfg, 'model_type', None)!r} (the lean forward implements {', '.join(FAMILIES)})"
-    if param.device.type != "cpu" and not getattr(model, "dartree_weights_in_gguf", False):  # (its weights: the file's)
+    if param.device.type != "cpu" and not from_gguf(model):  # (a module from a GGUF file: its weights are the file's)
         return f"device {param.device.type} (the lean forward is for the CPU)"
     if param.dtype not in (torch.float32, torch.float64):
         return f"dtype {param.dtype} (the lean forward is float32/float64)"

@@ -20,7 +20,7 @@ from torch import nn
 
 from .. import quant
 from ..errors import DartreeError
-from .lean import LeanWeights
+from .lean import LeanWeights, from_gguf
 
 WEIGHTS = ("float32", "file", "q8_0")  # the target's weights: dequantised float32, the file as stored, Q8_0 at load
 ROLES = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",), "gate_up": ("ffn_gate", "ffn_up"),
@@ -93,11 +93,6 @@ class Q8Embedding(nn.Module):
 _LAYER_NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
 
 
-def from_gguf(model: nn.Module) -> bool:
-    """Whether ``model`` is a ``model_from_gguf`` module (its products' weights are only in the GGUF file)."""
-    return bool(getattr(model, "dartree_weights_in_gguf", False))
-
-
 def model_from_gguf(config_dir: str | Path, source: GGUFTensors) -> nn.Module:
     """The Hugging Face module of a Llama GGUF file for the target on the file as stored, without a float32
     copy of its weights: made from its config on the meta device (no memory, no initialisation), with only
@@ -124,7 +119,7 @@ def model_from_gguf(config_dir: str | Path, source: GGUFTensors) -> nn.Module:
                 norm.weight = nn.Parameter(source.float_tensor(f"blk.{i}.{name}.weight"), requires_grad=False)
         model.model.norm.weight = nn.Parameter(source.float_tensor("output_norm.weight"), requires_grad=False)
         model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)  # its tables, on the CPU
-    model.dartree_weights_in_gguf = True
+    model.dartree_weights_in_gguf = True  # what ``lean.from_gguf`` reads
     return model.eval()
 
 
