@@ -2,7 +2,7 @@
 machine, kernels):
 
 - a target forward over n rows (n = 1, 2, 3, 4, 6, ... 128) appended to a context of ``context``
-  tokens, with the output layer over the rows a walk asks for first (the likely path, at most
+  tokens, with the output layer over the rows a walk asks for first (``verify.first_ask``: at most
   ``verify.OUTPUT_ROWS_PER_ASK`` rows): the verify stage of the round (``engine.run_round``) for a
   tree of n - 1 nodes; n = 1 is a plain decoding step;
 - one drafter call (a round's draft, with a couple of new context rows, as in steady decoding), and

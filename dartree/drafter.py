@@ -357,15 +357,17 @@ class DrafterModel(nn.Module):
         out[self.draft_to_target(ids)] = ids
         return out
 
-    def block_embeddings(self, embed_tokens: nn.Embedding, first_tokens: torch.Tensor) -> torch.Tensor:
-        """[N] anchor tokens -> [N, block_size, H] embeddings of [anchor, MASK, ...]."""
+    def block_embeddings(self, embed_tokens: nn.Embedding, first_tokens: torch.Tensor, block_size: int | None = None) -> torch.Tensor:
+        """[N] anchor tokens -> [N, block_size, H] embeddings of [anchor, MASK, ...] (the config's block
+        size unless one is given)."""
         cfg = self.config
+        block_size = cfg.block_size if block_size is None else block_size
         anchor = embed_tokens(first_tokens)[:, None, :]
         if self.mask_embedding is not None:
             mask = self.mask_embedding.to(anchor.dtype)
         else:
             mask = embed_tokens(torch.tensor([cfg.mask_token_id], device=first_tokens.device))[0]
-        masks = mask.expand(first_tokens.shape[0], cfg.block_size - 1, -1)
+        masks = mask.expand(first_tokens.shape[0], block_size - 1, -1)
         return torch.cat([anchor, masks], dim=1)
 
     def fuse_context(self, tapped_states: torch.Tensor) -> torch.Tensor:

@@ -284,6 +284,9 @@ def propose(state: RoundState) -> None:
     """The proposers' calls: a request's first call alone (it reads its whole prompt; batched, it
     would pad the others to its length), then ONE call per kind of proposer for the rest."""
     speculating = [ln for ln in state.live(decoding=True) if ln.speculates]
+    for ln in speculating:  # as deep as the budget looks (budget "auto"); fixed settings draw every depth
+        if hasattr(ln.request.proposer, "depth_limit"):
+            ln.request.proposer.depth_limit = ln.request.policy.draft_depth() if ln.request.policy is not None else None
     for ln in speculating:
         if not ln.request.drafted:
             _together([ln], _propose_group)

@@ -176,6 +176,46 @@ def test_auto_budget_is_lossless_with_switches_to_plain_steps(pipelines, family,
         assert max(history) > 1  # large trees were verified
 
 
+def test_the_draft_reaches_twice_as_deep_as_recent_prefixes_and_at_least_the_minimum():
+    """draft_depth: None before any drafted round; then build_headroom times the deepest node the
+    recent drafted rounds verified, at least min_draft_depth; a round verifying the root alone counts 0."""
+    policy = BudgetPolicy(synthetic_cost(10.0, 2.0), min_draft_depth=3)
+    assert policy.draft_depth() is None
+    chain = DraftTree.chain(torch.arange(6))
+    chain.log_probs = torch.log(torch.tensor([0.9, 0.8, 0.7, 0.05, 0.01, 0.01]))
+    chain.rank = torch.arange(6)
+    kept = policy.cut(chain)
+    assert policy.depth_history == [int(kept.depths.max())] and len(kept) == 3
+    assert policy.draft_depth() == 2 * 3
+    policy.depth_history = [0] * policy.recent_rounds  # recent rounds verified nothing drafted
+    assert policy.draft_depth() == 3
+    policy.depth_history.append(5)
+    assert policy.draft_depth() == 10
+    assert policy.fork().depth_history == []  # a new request starts drawing every depth
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("method", ["dartree", "ddtree", "domino-ddtree"])
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=6), min_depth=st.sampled_from([1, 2, 3]))
+def test_auto_budget_with_shallow_drafts_is_lossless(pipelines, family, method, prompt, min_depth, monkeypatch):
+    """Budget auto drafts only as deep as recent prefixes looked (here as shallow as one depth): the
+    drafter runs a shorter block, and the output is still greedy decoding, token for token."""
+    from dartree.proposers import drafter as drafter_module
+
+    pipe = pipelines[(family, "domino")]
+    pipe.use_cost_model(synthetic_cost(1.0, 0.3))
+    blocks, block_length = [], drafter_module.block_length
+    monkeypatch.setattr(drafter_module, "block_length", lambda cfg, limits: blocks.append(block_length(cfg, limits)) or blocks[-1])
+    policy = pipe.budget_policy(GenerationSettings(method=method))  # the defaults: budget "auto"
+    monkeypatch.setattr(policy, "min_draft_depth", min_depth)
+    monkeypatch.setattr(policy, "build_headroom", 1)
+    got = pipe.generate(input_ids=prompt, method=method, max_new_tokens=24, budget="auto", stop_token_ids=[])
+    assert got.token_ids == hf_greedy(pipe.target_model, prompt, 24)
+    full = pipe.drafter.config.block_size
+    assert blocks[0] == full and min(blocks) < full  # every depth first, then shorter blocks
+
+
 def test_auto_budget_switches_mid_generation_and_stays_exact(pipelines):
     """Start with a cost model under which speculation pays, then make verification expensive in the
     middle of a generation: the policy moves to plain steps, and the output is still greedy."""

@@ -190,3 +190,55 @@ def test_the_shipped_markov_drafter_reads_the_domino_drafters_backbone():
     a, b = domino.state_dict(), markov.state_dict()
     shared = [k for k in a if not k.startswith("head.")]
     assert shared and all(torch.equal(a[k], b[k]) for k in shared)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_a_depth_limit_runs_a_shorter_block_and_keeps_the_context(model_dirs, dtype):
+    """A proposer's depth_limit makes the call run only the block positions those depths need (on the
+    module forward in float64, on the lean kernels in float32): its draft is the drafter's output for
+    that shorter block, and the context it keeps is the same as after a full-depth call. In a batch the
+    deepest limit counts, and one request without a limit makes the whole block run."""
+    import dartree
+    from dartree.proposers import draft_batch
+    from dartree.proposers.drafter import block_length
+
+    pipe = dartree.load(model_dirs[("llama", "target")], model_dirs[("llama", "domino")], dtype=dtype)
+    cfg = pipe.drafter.config
+    full = cfg.num_draft_depths
+    assert block_length(cfg, [None]) == cfg.block_size and block_length(cfg, [2, None]) == cfg.block_size
+    assert block_length(cfg, [2, 3]) == (3 if cfg.shift_label else 4) and block_length(cfg, [99]) == cfg.block_size
+    width = len(cfg.target_layer_ids) * pipe.target_model.config.hidden_size
+    torch_dtype = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(1)
+    states = [torch.randn(n, width, generator=gen, dtype=torch.float64).to(torch_dtype) for n in (4, 2)]
+    made = [DraftProposer(pipe.drafter, pipe.target.embed_tokens, pipe.target.lm_head) for _ in range(3)]
+    outs = {}
+    for limit, p in zip((None, 2, 1), made):
+        p.depth_limit = limit
+        p.draft(3, states[0], 4)
+        outs[limit] = p.draft(5, states[1], 6)
+    assert outs[None].base_logits.shape[0] == full
+    assert outs[2].base_logits.shape[0] == 2 and outs[1].base_logits.shape[0] == 1
+    # the shorter block's draft is what the drafter computes for a block of that length
+    ref = DraftProposer(pipe.drafter, pipe.target.embed_tokens, pipe.target.lm_head)
+    ref.draft(3, states[0], 4)
+    short, configured = block_length(cfg, [2]), cfg.block_size
+    object.__setattr__(cfg, "block_size", short)  # a drafter configured with the shorter block
+    try:
+        want = ref.draft(5, states[1], 6)
+    finally:
+        object.__setattr__(cfg, "block_size", configured)
+    torch.testing.assert_close(outs[2].base_logits, want.base_logits, rtol=0, atol=0)
+    assert not torch.equal(outs[2].base_logits, outs[None].base_logits[:2])  # a different draft, not a slice
+    # the next full call after a short one equals the next full call after a full one
+    follow = torch.randn(3, width, generator=gen, dtype=torch.float64).to(torch_dtype)
+    made[1].depth_limit = made[0].depth_limit = None
+    torch.testing.assert_close(made[1].draft(7, follow, 9).base_logits, made[0].draft(7, follow, 9).base_logits, rtol=0, atol=0)
+    # in a batch: the deepest limit, or every depth where one request has none
+    a, b = (DraftProposer(pipe.drafter, pipe.target.embed_tokens, pipe.target.lm_head) for _ in range(2))
+    a.depth_limit, b.depth_limit = 1, 3
+    drafts = draft_batch([a, b], [1, 2], [states[0], states[1]], [4, 2])
+    assert [d.base_logits.shape[0] for d in drafts] == [3, 3]
+    a.depth_limit, b.depth_limit = 1, None
+    drafts = draft_batch([a, b], [1, 2], [states[1][:1], states[0][:1]], [5, 3])
+    assert [d.base_logits.shape[0] for d in drafts] == [full, full]

@@ -190,11 +190,13 @@ def test_a_round_commits_the_greedy_path_and_compacts_the_cache(hf_model):
         torch.testing.assert_close(a.keys, b.keys, rtol=0, atol=1e-10)
 
 
-def test_the_walk_asks_for_the_likely_path_first_and_other_rows_only_when_needed():
-    """The output layer runs on the drafter's likely path in one batch; a branch it did not predict
-    costs one more batch, and rows the walk cannot reach are never computed."""
+def test_the_walk_asks_for_the_likely_path_first_then_the_likeliest_other_rows():
+    """One output-layer batch holds the drafter's likely path, then the other rows the walk may reach,
+    most probable first, up to OUTPUT_ROWS_PER_ASK; a branch outside it costs one more batch, of rows
+    below where the walk is and not yet known, and rows the walk cannot reach are never computed."""
     from dartree.trees import DraftTree
-    from dartree.verify import walk
+    from dartree.verify import OUTPUT_ROWS_PER_ASK as ask
+    from dartree.verify import first_ask, walk
 
     # rows: 1 = a (root), 2 = b (root, better), 3 = c under a, 4 = d under b, 5 = e under a
     tree = DraftTree.from_lists([10, 11, 12, 13, 14], [0, 0, 1, 2, 1], [1, 1, 2, 2, 2])
@@ -206,12 +208,34 @@ def test_the_walk_asks_for_the_likely_path_first_and_other_rows_only_when_needed
         asked.append(list(rows))
         return [choices[r] for r in rows]
 
+    assert ask >= 6 and first_ask(tree) == [0, 2, 4, 1, 3, 5]  # path b, d; then a, c, e by probability
     assert walk(tree, choose) == ([0, 2, 4], 0)
-    assert asked == [[0, 2, 4]]
-    choices[0] = 10  # the target prefers a: the walk leaves the likely path at the root
+    assert asked == [[0, 2, 4, 1, 3, 5]]
+    choices[0] = 10  # the target prefers a: no second ask, every row was in the first
     asked.clear()
     assert walk(tree, choose) == ([0, 1, 5], 0)
-    assert asked == [[0, 2, 4], [1, 3], [5]]
+    assert asked == [[0, 2, 4, 1, 3, 5]]
+
+    # a root with ask + 2 children, the first ask + 1 of them with a child each: rows 1..n are the
+    # children (decreasing probability), rows n+1.. their children
+    n = ask + 2
+    kids = ask + 1
+    parents = [0] * n + list(range(1, kids + 1))
+    scores = [-float(i) for i in range(1, n + 1)] + [-float(i) - 0.5 for i in range(1, kids + 1)]
+    big = DraftTree.from_lists(list(range(100, 100 + n + kids)), parents, [1] * n + [2] * kids)
+    big.log_probs = torch.tensor(scores)
+    first = first_ask(big)
+    # the likely path (root, child 1, its child), then the rest by probability: child 2, its child, ...
+    expected = [0, 1, n + 1]
+    for i in range(2, n + 1):
+        expected += [i] + ([n + i] if i <= kids else [])
+    assert first == expected[:ask]
+    target = {r: 0 for r in range(len(big) + 1)}
+    target[0] = 100 + n - 1  # the target picks the root's last child (row n), outside the first ask
+    asked.clear()
+    assert walk(big, lambda rows: (asked.append(list(rows)), [target[r] for r in rows])[1]) == ([0, n], 0)
+    assert asked == [first, [n]]  # the second ask: row n only (it has no children)
+    assert set(asked[0]) | set(asked[1]) <= set(range(len(big) + 1)) and len(asked[0]) == ask
 
 
 def test_the_walk_asks_for_a_long_likely_path_a_batch_at_a_time():

@@ -24,7 +24,9 @@ A proposer serves ONE request (its own state: a drafter cache, a suffix index, .
 Attributes: ``name`` (as registered), ``reads_tapped_states`` (the target collects tapped states
 for rounds with such a request), ``head`` (the correction head the tree methods that need one
 apply to its drafts, or None), ``batch_key`` (proposers with equal keys are proposed for together),
-``num_depths`` (how deep its proposals go). ``create(pipeline)`` (classmethod) makes one for a
+``num_depths`` (how deep its proposals go), and optionally ``depth_limit`` (settable: the depths its
+next proposal need reach, None for all; the round sets it from the request's budget policy, and a
+drafter then runs a shorter block). ``create(pipeline)`` (classmethod) makes one for a
 request of a ``Pipeline``, or raises ``DartreeError`` saying what it needs.
 
 Adding a proposer is one file in ``dartree/proposers/`` with one class decorated ``@register``,

@@ -49,6 +49,14 @@ class DraftAndNgramProposer:
     def batch_key(self) -> object:
         return ("drafter+ngram", self.drafter.batch_key)
 
+    @property
+    def depth_limit(self) -> int | None:
+        return self.drafter.depth_limit
+
+    @depth_limit.setter
+    def depth_limit(self, depths: int | None) -> None:  # the drafter's; the n-gram trees are shallow already
+        self.drafter.depth_limit = depths
+
     def reset(self) -> None:
         self.drafter.reset()
         self.ngram.reset()

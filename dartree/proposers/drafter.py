@@ -33,6 +33,7 @@ class DraftProposer:
         self.store = KVStore(self.lean, slots=1, capacity=256) if self.lean is not None else None
         self.cache = DrafterCache(model.config.num_hidden_layers)
         self.unread: list[torch.Tensor] = []  # tapped states the drafter has not read yet
+        self.depth_limit: int | None = None  # the depths the next draft need reach (None: every depth)
         cfg = model.config
         if model.mask_embedding is None:
             require(
@@ -85,6 +86,16 @@ class DraftProposer:
         return draft_batch([self], [bonus], [new_tapped_states], [start])[0]
 
 
+def block_length(cfg, depth_limits: list[int | None]) -> int:
+    """The block positions a call runs: enough for the deepest limit of its requests (every position
+    where one has none). A shorter block is a different, still deterministic draft: the positions
+    attend to each other within the block."""
+    depths = cfg.num_draft_depths
+    if depth_limits and all(d is not None for d in depth_limits):
+        depths = max(1, min(depths, max(depth_limits)))
+    return depths if cfg.shift_label else depths + 1
+
+
 @torch.no_grad()
 def draft_batch(proposers: list[DraftProposer], bonuses: list[int], tapped_states: list[torch.Tensor],
                 starts: list[int]) -> list[DraftOutput]:
@@ -92,17 +103,19 @@ def draft_batch(proposers: list[DraftProposer], bonuses: list[int], tapped_state
     drafter cache: the blocks run as one batch whose new context rows and cached keys are padded to
     the longest, with a mask that shows each block only its own request's keys. The weights, the
     drafter's output layer included, are read once for the whole batch; one request runs on its own
-    cache as it is (``DraftProposer.draft``)."""
+    cache as it is (``DraftProposer.draft``). The block is as long as the proposers' ``depth_limit``
+    asks (``block_length``)."""
     first = proposers[0]
     model, cfg = first.model, first.model.config
     require(all(p.model is model and p.embed_tokens is first.embed_tokens for p in proposers),
             "a batched draft call needs proposers of one drafter")
-    device, b, q = tapped_states[0].device, len(proposers), cfg.block_size
+    device, b = tapped_states[0].device, len(proposers)
+    q = block_length(cfg, [p.depth_limit for p in proposers])
     cached = [p.context_length for p in proposers]
     new = [f.shape[0] for f in tapped_states]
     require(all(c + n == s for c, n, s in zip(cached, new, starts)), "drafter context out of step with the target")
     if first.lean is not None:
-        embeds = model.block_embeddings(first.embed_tokens, torch.tensor(bonuses, device=device))
+        embeds = model.block_embeddings(first.embed_tokens, torch.tensor(bonuses, device=device), q)
         hidden = lean_draft_forward(first.lean, [p.store for p in proposers], embeds, tapped_states, starts)
         if not cfg.shift_label:
             hidden = hidden[:, 1:]  # block position 0 only restates the bonus token
@@ -136,7 +149,7 @@ def draft_batch(proposers: list[DraftProposer], bonuses: list[int], tapped_state
                         keys[i, :, : cached[i]] = p.cache.keys[layer][0]
                         values[i, :, : cached[i]] = p.cache.values[layer][0]
                 cache.keys[layer], cache.values[layer] = keys, values
-    embeds = model.block_embeddings(first.embed_tokens, torch.tensor(bonuses, device=device))
+    embeds = model.block_embeddings(first.embed_tokens, torch.tensor(bonuses, device=device), q)
     hidden = model(embeds, tapped, ctx_pos, block_pos, cache=cache, attn_mask=mask)  # [b, Q, H]
     if b == 1:
         first.cache.crop(starts[0])  # keep the context K/V, drop the block's
