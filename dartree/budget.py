@@ -253,10 +253,12 @@ def choose_batch(items: list[tuple[BudgetPolicy, DraftTree]], fixed_rows: int, b
         order.append(best)
         gains.append(probs[best][heads[best]])
         heads[best] += 1
-    gain = base_tokens + torch.cumsum(torch.tensor([0.0] + gains, dtype=torch.float64), 0)
-    ms = torch.tensor([cost.verify(fixed_rows + m) for m in range(len(gains) + 1)], dtype=torch.float64)
+    # plain float64 arithmetic: a round's few dozen numbers cost less in Python than as tensors
+    gain = [base_tokens + c for c in accumulate(gains, initial=0.0)]  # the order of the sums the tensors used
+    ms = [cost.verify(fixed_rows + m) for m in range(len(gains) + 1)]
     decode_ms = _decode_ms(cost, fixed_rows, prompt_rows)
-    m = int(torch.argmax(gain / (decode_ms + ms - ms[0])))  # the first of equal rates: fewer rows; the cost curve is a staircase
+    rates = [g / (decode_ms + t - ms[0]) for g, t in zip(gain, ms)]
+    m = rates.index(max(rates))  # the first of equal rates: fewer rows; the cost curve is a staircase
     counts = [0] * len(items)
     for i in order[:m]:
         counts[i] += 1
@@ -271,15 +273,15 @@ def choose_batch(items: list[tuple[BudgetPolicy, DraftTree]], fixed_rows: int, b
     # over a lone request's (1 alone, so a single request's schedule is unchanged).
     batch = max(int(round(base_tokens)), 1)
     probe_scale = max(1.0, batch * cost.verify(1) / cost.verify(batch))
-    extra_ms = float(ms[m] - ms[0])
+    extra_ms = ms[m] - ms[0]
     for i, n in enumerate(counts):
-        mine = float(1.0 + torch.cumsum(torch.tensor(probs[i][:n], dtype=torch.float64), 0)[-1]) if n else 1.0
+        mine = 1.0 + list(accumulate(probs[i][:n]))[-1] if n else 1.0
         if len(items) == 1 and fixed_rows == 1:
             worth = mine / cost.round_ms(n) * cost.verify(1)
         else:
             spent = cost.draft_share(len(items)) + cost.tree_share(len(items)) + (extra_ms * n / m if m else 0.0)
             worth = (mine - 1.0) / spent / plain_rate if spent > 0 else 1.0
-        choices.append(BudgetChoice(n, mine, float(ms[m]), worth, probe_scale))
+        choices.append(BudgetChoice(n, mine, ms[m], worth, probe_scale))
     return choices
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import numpy
 import torch
 
 from .errors import DartreeError
@@ -32,14 +33,12 @@ OUTPUT_ROWS_PER_ASK = 8
 def ancestor_matrix(tree: DraftTree) -> torch.Tensor:
     """Boolean [N+1, N+1]: row i marks node i and its ancestors (row/col 0 is the root)."""
     n = len(tree) + 1
-    vis = torch.eye(n, dtype=torch.bool, device=tree.tokens.device)
-    if n == 1:
-        return vis
-    # Parents precede children, so filling depth by depth copies finished parent rows.
-    for depth in range(1, int(tree.depths.max()) + 1):
-        rows = torch.nonzero(tree.depths == depth).flatten() + 1
-        vis[rows] |= vis[tree.parents[rows - 1]]
-    return vis
+    vis = numpy.eye(n, dtype=bool)
+    # Parents precede children: each node's row is its parent's, finished, plus itself (a row
+    # operation in numpy costs a microsecond, a torch call several: this runs every round)
+    for row, parent in enumerate(tree.parents.tolist(), start=1):
+        vis[row] |= vis[parent]
+    return torch.from_numpy(vis).to(tree.tokens.device)
 
 
 def children_of(tree: DraftTree) -> dict[int, list[int]]:

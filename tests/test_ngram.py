@@ -208,3 +208,46 @@ def test_a_suffix_cache_raises_acceptance_and_leaves_the_output_as_it_was(pipeli
     finally:
         pipe.use_suffix_cache(None)
     assert accepted[1.0] > accepted[None], accepted
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_a_merge_with_one_nonempty_source_is_the_general_merge(data):
+    """merge_ranked's shortcut for one non-empty source (the n-gram tree found nothing) gives the
+    tree the union's general construction gives, node for node, scores and ranking included; a
+    source with siblings of one token, or out of depth order, takes the general way."""
+    import dartree.trees.common as common
+
+    n = data.draw(st.integers(1, 12))
+    parents, depths = [], []
+    for i in range(n):
+        p = data.draw(st.integers(0, i))
+        parents.append(p)
+        depths.append(1 if p == 0 else depths[p - 1] + 1)
+    tokens = [data.draw(st.integers(0, 3)) for _ in range(n)]
+    scores = []
+    for i, p in enumerate(parents):  # never increasing along a path
+        scores.append((scores[p - 1] if p else 0.0) - data.draw(st.floats(0.0, 3.0)))
+    tree = DraftTree.from_lists(tokens, parents, depths)
+    tree.log_probs = torch.tensor(scores, dtype=torch.float32)
+    tree.rank = torch.sort(tree.log_probs, descending=True, stable=True).indices
+    budget, beta = data.draw(st.integers(1, 14)), data.draw(st.sampled_from([0.0, -0.2, -1.0]))
+    nothing = DraftTree.empty()  # as the n-gram proposer hands it: no nodes, no scores
+    nothing.log_probs, nothing.rank = torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.long)
+    shortcut = common.merge_ranked([tree, nothing], budget, beta)
+    real = common._depth_ordered_and_distinct
+    try:
+        common._depth_ordered_and_distinct = lambda t: False
+        general = common.merge_ranked([tree, nothing], budget, beta)
+    finally:
+        common._depth_ordered_and_distinct = real
+    for field in ("tokens", "parents", "depths", "log_probs", "rank"):
+        assert torch.equal(getattr(shortcut, field), getattr(general, field)), field
+
+
+def test_the_merge_shortcut_takes_depth_ordered_trees_with_distinct_siblings_only():
+    from dartree.trees.common import _depth_ordered_and_distinct
+
+    assert _depth_ordered_and_distinct(DraftTree.from_lists([5, 6, 7, 8], [0, 0, 1, 2], [1, 1, 2, 2]))
+    assert not _depth_ordered_and_distinct(DraftTree.from_lists([5, 5, 7], [0, 0, 1], [1, 1, 2]))  # siblings of one token
+    assert not _depth_ordered_and_distinct(DraftTree.from_lists([5, 6, 7], [0, 1, 0], [1, 2, 1]))  # out of depth order

@@ -95,6 +95,12 @@ def merge_ranked(trees: list[DraftTree], budget: int, beta: float = 0.0) -> Draf
     keeps the best of its log-probabilities, nodes are ranked by log-probability + beta * depth (a child
     never outranks its parent: each tree's log-probabilities never increase along a path, and so
     does their maximum), and the best ``budget`` of the union are kept: one global top-B over every source."""
+    sources = [t for t in trees if len(t)]
+    if len(sources) == 1 and _depth_ordered_and_distinct(sources[0]):
+        # one source (the n-gram tree found nothing): its nodes are the union's, in the union's own order
+        # (by depth, stable); only the scores and the ranking are made as below
+        one = sources[0]
+        return _rank_and_cut(DraftTree(one.tokens, one.parents, one.depths, one.log_probs.to(torch.float64)), budget, beta)
     best: dict[tuple[int, ...], float] = {}
     for tree in trees:
         for path, lp in zip(tree.node_paths(), tree.log_probs.tolist()):
@@ -105,6 +111,16 @@ def merge_ranked(trees: list[DraftTree], budget: int, beta: float = 0.0) -> Draf
     merged = DraftTree.from_lists([p[-1] for p in order], [row[p[:-1]] if len(p) > 1 else 0 for p in order],
                                   [len(p) for p in order], device=device)
     merged.log_probs = torch.tensor([best[p] for p in order], dtype=torch.float64, device=device)
+    return _rank_and_cut(merged, budget, beta)
+
+
+def _depth_ordered_and_distinct(tree: DraftTree) -> bool:
+    """Nodes in nondecreasing depth and no two siblings with one token (so no path twice)."""
+    pairs = list(zip(tree.parents.tolist(), tree.tokens.tolist()))
+    return len(set(pairs)) == len(pairs) and bool((tree.depths[1:] >= tree.depths[:-1]).all())
+
+
+def _rank_and_cut(merged: DraftTree, budget: int, beta: float) -> DraftTree:
     prune = merged.log_probs + beta * merged.depths.to(torch.float64)
     merged.rank = torch.sort(prune, descending=True, stable=True).indices
     return merged.prefix(budget) if len(merged) else merged
