@@ -77,6 +77,16 @@ def test_builder_takes_the_compiled_grower_and_follows_weight_changes():
     # build_tree hands out target ids
     assert torch.equal(again.tokens, draft.to_target(ranked.tokens)) and torch.equal(again.parents, ranked.parents)
     assert len(first) == len(again) == 16
+    # a parameter replaced on its module (not changed in place) is seen too
+    gen = torch.Generator().manual_seed(5)
+    w2 = head.embed_proj[2].weight
+    head.embed_proj[2].weight = torch.nn.Parameter(torch.randn(w2.shape, generator=gen, dtype=w2.dtype) * 3)
+    third = builder.build_tree(draft, head)
+    want = grow_supertree(draft, head, builder.settings.tree_top_k, lambda d, p: builder.settings.width, budget=16,
+                          beta=builder.settings.beta)
+    ranked = _ranked_top_b(want, 16, builder.settings.beta)
+    assert torch.equal(third.tokens, draft.to_target(ranked.tokens)) and torch.equal(third.parents, ranked.parents)
+    assert not (torch.equal(third.tokens, again.tokens) and torch.equal(third.parents, again.parents))
 
 
 def test_heads_the_kernel_does_not_take_keep_the_python_grower():

@@ -79,15 +79,18 @@ def select_top_b(prune_scores: torch.Tensor, parents: torch.Tensor, budget: int)
     smaller row, so with parents numbered before children the result is ancestor-closed and equals
     the first B pops of a best-first heap on the supertree.
     """
-    n = prune_scores.numel()
-    has_parent = parents > 0
-    parent_scores = prune_scores[(parents - 1).clamp(min=0)]
-    if bool((has_parent & (prune_scores > parent_scores)).any()):
+    return torch.tensor(top_b_rows(prune_scores.tolist(), parents.tolist(), budget), dtype=torch.long,
+                        device=prune_scores.device)
+
+
+def top_b_rows(prune: list[float], parents: list[int], budget: int) -> list[int]:
+    """``select_top_b`` on lists (a supertree of a few dozen nodes: Python's stable sort costs less
+    than the tensor calls): the kept positions, sorted."""
+    if any(p > 0 and score > prune[p - 1] for score, p in zip(prune, parents)):
         raise DartreeError("deferred top-B needs scores that never increase from parent to child (beta <= 0)")
-    if n <= budget:
-        return torch.arange(n, device=prune_scores.device)
-    order = torch.sort(prune_scores, descending=True, stable=True).indices
-    return order[:budget].sort().values
+    if len(prune) <= budget:
+        return list(range(len(prune)))
+    return sorted(sorted(range(len(prune)), key=lambda i: -prune[i])[:budget])  # stable: ties to the smaller row
 
 
 def merge_ranked(trees: list[DraftTree], budget: int, beta: float = 0.0) -> DraftTree:

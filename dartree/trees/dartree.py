@@ -10,8 +10,8 @@ import torch
 from ..heads import CorrectionHead
 from .base import TreeBuilder, register
 from . import grow_kernel
-from .common import candidate_tables, merge_ranked, select_top_b
-from .tree import DraftTree, subtree
+from .common import candidate_tables, merge_ranked, top_b_rows
+from .tree import DraftTree
 
 
 @dataclass
@@ -126,14 +126,22 @@ def grow_supertrees(drafts: list, head: CorrectionHead, tree_top_k: int, width: 
 
 
 def _ranked_top_b(st: Supertree, budget: int, beta: float) -> DraftTree:
-    """The deferred global top-B of a supertree, ranked (every prefix of the rank is a tree)."""
-    prune = st.scores + beta * st.depths.to(st.scores.dtype)
-    keep = select_top_b(prune, st.parents, budget)
-    tree = subtree(st.tokens, st.parents, st.depths, keep)
+    """The deferred global top-B of a supertree, ranked (every prefix of the rank is a tree). Worked on
+    lists: a few dozen nodes, every round."""
+    prune = (st.scores + beta * st.depths.to(st.scores.dtype)).tolist()  # in the scores' own precision
+    parents, scores = st.parents.tolist(), st.scores.tolist()
+    keep = top_b_rows(prune, parents, budget)
+    row = {old + 1: new + 1 for new, old in enumerate(keep)}
+    row[0] = 0
+    device = st.tokens.device
+    tokens, depths = st.tokens.tolist(), st.depths.tolist()
+    tree = DraftTree.from_lists([tokens[i] for i in keep], [row[parents[i]] for i in keep], [depths[i] for i in keep],
+                                device=device)
+    tree.log_probs = torch.tensor([scores[i] for i in keep], dtype=st.scores.dtype, device=device)
     # The deferred top-B order itself: every prefix is the top-b tree (Lemma 1; ties to the smaller
     # row, which is the parent), so a per-round budget can cut the tree without rebuilding it.
-    tree.log_probs = st.scores[keep]
-    tree.rank = torch.sort(prune[keep], descending=True, stable=True).indices
+    kept_prune = [prune[i] for i in keep]
+    tree.rank = torch.tensor(sorted(range(len(keep)), key=lambda j: -kept_prune[j]), dtype=torch.long, device=device)
     return tree
 
 

@@ -60,7 +60,14 @@ class HeadTables:
 
 
 def _version(head) -> tuple:
-    return tuple((id(p), p._version) for p in head.parameters()) + (id(head._embed), id(head._d2t))
+    """What the tables are made of: each parameter (replaced or changed in place) and the bound
+    embedding. Read every round, so the head's modules are listed once (a parameter set anew on a
+    module still shows: its ``_parameters`` entry is read each time)."""
+    modules = head.__dict__.get("_grow_modules")
+    if modules is None:
+        modules = head.__dict__["_grow_modules"] = list(head.modules())
+    return tuple((id(p), p._version) for m in modules for p in m._parameters.values() if p is not None) + \
+        (id(head._embed), id(head._d2t))
 
 
 @torch.no_grad()

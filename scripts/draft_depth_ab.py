@@ -1,0 +1,85 @@
+"""Budget "auto" with and without its draft depth, beside `ar`, in one process on the bundled model.
+
+    .venv/bin/python scripts/draft_depth_ab.py --per-dataset 3 --seed 1 [--out FILE.json]
+
+Held-out prompts (the first turns of ``--per-dataset`` seeded samples of each of the seven
+benchmarks), 96 new tokens, T = 0. For every prompt the configurations take turns (the order flips
+from one prompt to the next, so that a guest whose speed drifts shifts them alike): `ar`; `dartree`,
+budget auto, drafting every depth of the drafter's block (the policy's ``draft_depth`` forced to
+None); `dartree`, budget auto as shipped (the draft reaches twice the deepest node recent rounds
+verified, at least 8 depths). Reported per configuration: decode tokens per second (prefill left
+out), tau over all rounds and over drafted rounds, drafted rounds, and the drafter call and tree
+build per drafted round (the stage clock). Every configuration's text is checked equal to `ar`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import dartree  # noqa: E402
+from dartree.bench.datasets import DATASETS, load_samples, select  # noqa: E402
+from dartree.budget import BudgetPolicy  # noqa: E402
+from dartree.hardware import describe_machine  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--per-dataset", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--data-dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "benchmarks"))
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    pipe = dartree.load()
+    prompts = [s.turns[0] for ds in DATASETS for s in select(load_samples(ds, args.data_dir), args.per_dataset, seed=args.seed)]
+    shipped = BudgetPolicy.draft_depth
+    configs = {"ar": ("ar", None), "dartree, every depth": ("dartree", lambda self: None), "dartree (shipped)": ("dartree", shipped)}
+    totals = {name: {"tokens": 0, "ms": 0.0, "rounds": 0, "drafted": 0, "drafted_tokens": 0, "draft_ms": 0.0, "tree_ms": 0.0}
+              for name in configs}
+    mismatches = 0
+    try:
+        for i, prompt in enumerate(prompts):
+            texts = {}
+            for name in (list(configs) if i % 2 == 0 else list(configs)[::-1]):
+                method, depth = configs[name]
+                if depth is not None:
+                    BudgetPolicy.draft_depth = depth
+                res = pipe.generate(prompt, method=method, max_new_tokens=args.max_new_tokens)
+                t, st = totals[name], res.stats
+                t["tokens"] += len(res.token_ids)
+                t["ms"] += sum(v for stage, v in st.stage_ms.items() if stage != "prefill")
+                t["rounds"] += st.rounds
+                t["drafted"] += sum(st.drafted)
+                t["drafted_tokens"] += sum(a for a, d in zip(st.acceptance_lengths, st.drafted) if d)
+                t["draft_ms"] += st.stage_ms.get("draft", 0.0)
+                t["tree_ms"] += st.stage_ms.get("tree", 0.0)
+                texts[name] = res.token_ids
+            mismatches += sum(ids != texts["ar"] for ids in texts.values())
+    finally:
+        BudgetPolicy.draft_depth = shipped
+    rows = {}
+    ar_speed = 1000.0 * totals["ar"]["tokens"] / totals["ar"]["ms"]
+    print(f"{describe_machine()}; {len(prompts)} prompts, {args.max_new_tokens} tokens, T = 0, target {pipe.target.name}")
+    print("| configuration | tok/s | x ar | tau | drafted rounds | tau drafted | draft ms | tree ms |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name, t in totals.items():
+        speed = 1000.0 * t["tokens"] / t["ms"]
+        d = max(t["drafted"], 1)
+        rows[name] = dict(t, tokens_per_second=speed, vs_ar=speed / ar_speed)
+        print(f"| {name} | {speed:.1f} | {speed / ar_speed:.2f} | {t['tokens'] / t['rounds']:.2f} | {t['drafted']} / {t['rounds']} | "
+              f"{t['drafted_tokens'] / d:.2f} | {t['draft_ms'] / d:.2f} | {t['tree_ms'] / d:.2f} |")
+    print(f"texts differing from ar's: {mismatches}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"machine": describe_machine(), "prompts": len(prompts), "rows": rows,
+                                              "mismatches": mismatches}, indent=1))
+    if mismatches:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
