@@ -43,8 +43,11 @@ from .trees import DraftTree, TreeBuilder, build_trees
 from .verify import Sampler, ancestor_matrix, first_ask, walk_steps
 from .verify import walk as verify_walk
 
-# A decoding round's stages, timed per request; a prompt chunk's round counts as "prefill".
-ROUND_STAGES = ("draft", "tree", "verify", "commit")
+# A decoding round's stages, timed per request (``GenerationStats.stage_ms``): the proposers' call, the
+# tree build and budget cut, the target's forward with its first output-layer rows, the walk (the
+# choices, further output-layer rows where the target leaves the likely path), the commit (kept K/V
+# rows, the proposers' new states, the budget's calibration). A prompt chunk's round counts as "prefill".
+ROUND_STAGES = ("draft", "tree", "verify", "walk", "commit")
 FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = "stop", "length", "cancelled", "error"
 # Prompt rows one round may add while other requests decode: a new request's prefill is chunked so
 # that it never holds the others' next token back by more than one such forward. Alone, a request
@@ -59,7 +62,7 @@ class GenerationStats:
     rounds: int = 0
     acceptance_lengths: list[int] = field(default_factory=list)  # per round, bonus included
     decode_seconds: float = 0.0  # after prefill and the first draft call, as in the published harnesses
-    stage_ms: dict[str, float] = field(default_factory=dict)
+    stage_ms: dict[str, float] = field(default_factory=dict)  # ms by stage: "prefill" and ROUND_STAGES
     tree_sizes: list[int] = field(default_factory=list)
     drafted: list[bool] = field(default_factory=list)  # per round: whether the drafter was called (False: a plain step)
     finish_reason: str | None = None
@@ -443,6 +446,7 @@ def walk(state: RoundState, logits: torch.Tensor | None) -> None:
             except Exception as exc:  # noqa: BLE001 - this request ends with its error; the others go on
                 ln.fail(exc)
         asking = still
+    state.clock.lap("walk")
 
 
 def commit(target: Target, ln: Lane, rows: list[int]) -> None:

@@ -18,6 +18,12 @@ def test_generate_json_is_lossless(model_dirs, pipelines, capsys):
     want = hf_greedy(pipe.target_model, pipe.encode(prompt="w1 w2 w3").tolist(), 10)
     assert out["token_ids"] == want
     assert set(out["stats"]) >= {"rounds", "acceptance_lengths", "mean_acceptance", "tokens_per_second", "stage_ms"}
+    # the stage clock splits the round: propose (draft), grow (tree), verify, walk, commit, each timed
+    from dartree.engine import ROUND_STAGES
+
+    assert ROUND_STAGES == ("draft", "tree", "verify", "walk", "commit")
+    assert set(out["stats"]["stage_ms"]) == {"prefill", *ROUND_STAGES}
+    assert all(out["stats"]["stage_ms"][stage] > 0 for stage in ROUND_STAGES)
 
 
 def test_generate_plain_text_and_stats_line(model_dirs, capsys):

@@ -189,9 +189,9 @@ def markdown(summaries: list[Summary], title: str = "dartree benchmark") -> str:
         crossed = any(s.config.dtype != "float32" for s in rows)
         extra = " vs fp32 ar | same tokens as fp32 ar |" if crossed else ""
         lines += ["", f"### Details at temperature {temp:g}", "",
-                  "| dataset | method | samples | τ macro | τ micro | tokens/s | vs ar (same dtype) | vs HF generate | vs llama.cpp F32 | draft ms/round | "
-                  "tree ms/round | verify ms/round | commit ms/round | T=0 mismatches |" + extra,
-                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if crossed else "")]
+                  "| dataset | method | samples | τ macro | τ micro | tokens/s | vs ar (same dtype) | vs HF generate | vs llama.cpp F32 | "
+                  + "".join(f"{stage} ms/round | " for stage in ROUND_STAGES) + "T=0 mismatches |" + extra,
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * (len(ROUND_STAGES) + 1) + ("---:|---:|" if crossed else "")]
         for s in sorted(rows, key=lambda s: (s.dataset, _order(s))):
             st = s.stage_ms_per_round
             f = lambda x: f"{x:.2f}x" if x else "n/a"  # noqa: E731

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from ..calibration import load_or_measure
+from ..engine import ROUND_STAGES
 from ..errors import DartreeError
 from ..hardware import set_threads
 from ..pipeline import load as load_pipeline
@@ -115,8 +116,8 @@ def _run_generate(args) -> int:
             print(result.token_ids)
         print(
             f"\n[{s.method} on {pipe.target.name}] {s.new_tokens} tokens in {s.rounds} rounds, mean acceptance {s.mean_acceptance:.2f}, "
-            f"{s.tokens_per_second:.1f} tokens/s (draft {s.stage_ms['draft']:.0f} ms, tree {s.stage_ms['tree']:.0f} ms, "
-            f"verify {s.stage_ms['verify']:.0f} ms, commit {s.stage_ms['commit']:.0f} ms)",
+            f"{s.tokens_per_second:.1f} tokens/s ("
+            + ", ".join(f"{stage} {s.stage_ms.get(stage, 0.0):.0f} ms" for stage in ROUND_STAGES) + ")",
             file=sys.stderr,
         )
         plain = sum(1 for n in s.tree_sizes if n == 0)
