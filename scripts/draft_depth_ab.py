@@ -69,10 +69,10 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, t in totals.items():
         speed = 1000.0 * t["tokens"] / t["ms"]
-        d = max(t["drafted"], 1)
         rows[name] = dict(t, tokens_per_second=speed, vs_ar=speed / ar_speed)
+        per = (lambda x: f"{x / t['drafted']:.2f}") if t["drafted"] else (lambda x: "–")
         print(f"| {name} | {speed:.1f} | {speed / ar_speed:.2f} | {t['tokens'] / t['rounds']:.2f} | {t['drafted']} / {t['rounds']} | "
-              f"{t['drafted_tokens'] / d:.2f} | {t['draft_ms'] / d:.2f} | {t['tree_ms'] / d:.2f} |")
+              f"{per(t['drafted_tokens'])} | {per(t['draft_ms'])} | {per(t['tree_ms'])} |")
     print(f"texts differing from ar's: {mismatches}")
     if args.out:
         Path(args.out).write_text(json.dumps({"machine": describe_machine(), "prompts": len(prompts), "rows": rows,
