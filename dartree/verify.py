@@ -22,11 +22,12 @@ from .trees import DraftTree
 
 # The walk asks the output layer for at most this many rows at once: the drafter's likely path, then
 # the other rows it may still reach, most probable first. The output layer is a pass over its whole
-# weight (SmolLM2-135M's: 28 MB in Q8_0, 113 MB in fp32) that up to 8 rows share at almost the cost of
-# one, while each further ask reads it again. Measured on an AMD EPYC Zen 4, 2 threads, weights from
-# memory: Q8_0 1 row 0.72 ms, 8 rows 1.04 ms, 9 rows 1.46 ms; fp32 3.5 / 3.7 / 4.7 ms. With the likely
-# path alone (at most 6 rows) 57 % of `dartree` rounds at budget 8 on the README's prompt asked a second
-# time (0.8 ms each); filled to 8 rows a tree of up to 7 nodes never does.
+# weight (SmolLM2-135M's: 28 MB in Q8_0, 113 MB in fp32) that several rows share for much less than
+# their own passes, while each further ask reads it again. Measured on an AMD EPYC Zen 4, 2 threads
+# (scripts/bench_quant_products.py; this guest drifts): Q8_0 8 rows 1.4-1.7x the time of 1, 9 rows
+# 1.8-2.0x; fp32 1.1-1.4x. With the likely path alone (at most 6 rows) `dartree` at budget 8 asked
+# 1.36 times a round on 21 benchmark prompts, filled to 8 rows 1.08 times (the throughput the same
+# within this guest's noise); where extra rows cost little (a GPU) the fill is nearly free.
 OUTPUT_ROWS_PER_ASK = 8
 
 
