@@ -5,8 +5,9 @@
 The drafter call (one request, a steady round: 2 new context rows after a 200-token context) on the
 module forward, on the lean kernels with float32 products and with Q8_0 products (the default), with
 how far each path's base logits are from the module's; then one ``dartree`` tree build (K = 64,
-W = 12, up to 64 nodes) grown in Python and by the compiled grower, and 4 / 8 / 16 requests' trees by a
-compiled call each against one call for the batch. Medians of back-to-back calls.
+W = 12, up to 64 nodes) grown in Python and by the compiled grower, 4 / 8 / 16 requests' trees by a
+compiled call each against one call for the batch, and the head-corrected chain (`domino`, `domino-ddtree`)
+in Python and compiled. Medians of back-to-back calls.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dartree.proposers.drafter import DraftProposer  # noqa: E402
 from dartree.targets.base import Part  # noqa: E402
 from dartree.targets.lean import KVStore  # noqa: E402
 from dartree.trees import grow_kernel  # noqa: E402
+from dartree.trees.common import corrected_chain_logits  # noqa: E402
 from dartree.trees.dartree import grow_supertree  # noqa: E402
 
 
@@ -91,6 +93,10 @@ def main() -> int:
         each_ms = median_ms(lambda: [grow_kernel.grow_supertree(d, head, 64, 12, 64, -0.2) for d in drafts])
         together_ms = median_ms(lambda: grow_kernel.grow_supertrees(drafts, head, 64, 12, [64] * requests, -0.2))
         print(f"{requests} supertrees: a compiled call each {each_ms:.2f} ms, one call for all {together_ms:.2f} ms")
+    python_ms = median_ms(lambda: corrected_chain_logits(draft, head))
+    compiled_ms = median_ms(lambda: grow_kernel.corrected_chain(draft, head))
+    print(f"head-corrected chain ({draft.base_logits.shape[0]} depths, {draft.base_logits.shape[1]} draft tokens; domino, "
+          f"domino-ddtree): Python {python_ms:.2f} ms, compiled {compiled_ms:.2f} ms")
     return 0
 
 

@@ -152,3 +152,41 @@ def test_the_root_read_from_the_token_table_is_the_heads_initial_state(reduced):
         in_draft += int(tables.draft_id[bonus]) >= 0 if bonus < tables.draft_id.numel() else 0
         torch.testing.assert_close(grow_kernel._root(head, tables, bonus), head.initial_state(bonus)[0], rtol=1e-12, atol=1e-12)
     assert in_draft == (61 if reduced else TARGET_VOCAB)  # both ways were taken where the vocabulary is reduced
+
+
+@settings(max_examples=60, deadline=None)
+@given(kind=st.sampled_from(["domino", "markov"]), seed=st.integers(0, 10_000), depths=st.integers(1, 8),
+       reduced=st.booleans(), pure_prefix=st.integers(0, 2), budget=st.integers(1, 40))
+def test_compiled_chain_is_the_python_corrected_chain(kind, seed, depths, reduced, pure_prefix, budget):
+    """grow_kernel.corrected_chain: the head-corrected greedy chain's tokens of the Python reference
+    (common.corrected_chain_logits), its corrected logits to float64 rounding, and so the same `domino`
+    chain and `domino-ddtree` tree node for node; the builders take it."""
+    from dartree.trees.common import best_first_marginals, corrected_chain_logits
+
+    head, d2t = make_head(kind, seed, 61 if reduced else None, pure_prefix)
+    draft = make_draft(seed, depths, 61 if reduced else TARGET_VOCAB, d2t)
+    want_tokens, want_logits = corrected_chain_logits(draft, head)
+    got = grow_kernel.corrected_chain(draft, head)
+    assert got is not None
+    tokens, logits = got
+    assert torch.equal(tokens, want_tokens)
+    torch.testing.assert_close(logits, want_logits, rtol=1e-12, atol=1e-12)
+    want_tree = best_first_marginals(want_logits.log_softmax(-1), budget)
+    for method, want in (("domino", None), ("domino-ddtree", want_tree)):
+        built = make_builder(method, TreeSettings(budget=budget)).build(draft, head, budget)
+        if want is None:
+            assert torch.equal(built.tokens, want_tokens) and torch.equal(built.depths, torch.arange(1, depths + 1))
+        else:
+            assert torch.equal(built.tokens, want.tokens) and torch.equal(built.parents, want.parents)
+            assert torch.equal(built.rank, want.rank)
+
+
+def test_the_chain_builders_call_the_compiled_chain(monkeypatch):
+    head, d2t = make_head("domino", 7, 61, 1)
+    draft = make_draft(7, 6, 61, d2t)
+    calls = []
+    real = grow_kernel.corrected_chain
+    monkeypatch.setattr(grow_kernel, "corrected_chain", lambda d, h: calls.append(1) or real(d, h))
+    for method in ("domino", "domino-ddtree"):
+        make_builder(method, TreeSettings(budget=8)).build_tree(draft, head)
+    assert len(calls) == 2

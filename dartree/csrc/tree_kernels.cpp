@@ -109,25 +109,12 @@ struct Grower {
   const int64_t* cand_tokens;
   const T *cand_base, *out_rows_t, *table, *hidden_proj, *w_state_t, *w_hh_t;
   int64_t X;  // the table's row size
+  int64_t out_rows_stride;  // between depths' out_rows_t: R * K, or 0 where every depth has the whole vocabulary
 
   // corrected logits of the K candidates at depth d for F branches in states h [F, S], log-softmaxed
   // (clamped to 0), into out [F, K]
   void logprobs(int64_t d, const T* h, int64_t F, T* out, std::vector<T>& act) const {
-    const T* base = cand_base + d * K;
-    for (int64_t f = 0; f < F; ++f) std::copy(base, base + K, out + f * K);
-    if (head != NONE && d >= uncorrected) {
-      const T* v = h;
-      if (head == DOMINO) {  // act = silu(W_z z_d + W_s h)
-        act.resize(F * R);
-        rows_times(h, F, S, w_state_t, R, act.data(), false);
-        for (int64_t f = 0; f < F; ++f)
-          for (int64_t r = 0; r < R; ++r) act[f * R + r] += hidden_proj[d * R + r];
-        auto a = view(act.data(), F * R);
-        at::silu_(a);
-        v = act.data();
-      }
-      rows_times(v, F, R, out_rows_t + d * R * K, K, out, true);  // + out_rows . v
-    }
+    corrected(d, h, F, out, act);
     for (int64_t f = 0; f < F; ++f) {
       T* o = out + f * K;
       T top = o[0];
@@ -137,6 +124,26 @@ struct Grower {
       const T shift = top + std::log(total);
       for (int64_t k = 0; k < K; ++k) o[k] = std::min(o[k] - shift, T(0));
     }
+  }
+
+  // the corrected logits themselves (base + the head's correction), into out [F, K]
+  void corrected(int64_t d, const T* h, int64_t F, T* out, std::vector<T>& act) const {
+    const T* base = cand_base + d * K;
+    for (int64_t f = 0; f < F; ++f) std::copy(base, base + K, out + f * K);
+    if (head != NONE && d >= uncorrected)
+      rows_times(correction_input(d, h, F, act), F, R, out_rows_t + d * out_rows_stride, K, out, true);  // + out_rows . v
+  }
+
+  // what the output rows multiply at depth d, [F, R]: Domino silu(W_z z_d + W_s h) (in ``act``), Markov the state
+  const T* correction_input(int64_t d, const T* h, int64_t F, std::vector<T>& act) const {
+    if (head != DOMINO) return h;
+    act.resize(F * R);
+    rows_times(h, F, S, w_state_t, R, act.data(), false);
+    for (int64_t f = 0; f < F; ++f)
+      for (int64_t r = 0; r < R; ++r) act[f * R + r] += hidden_proj[d * R + r];
+    auto a = view(act.data(), F * R);
+    at::silu_(a);
+    return act.data();
   }
 
   // the states of n children: child c extends parent state parents[c] (rows of ``states``) by draft token tokens[c]
@@ -278,7 +285,64 @@ Grower<T> grower(const torch::Tensor& cand_tokens, const torch::Tensor& cand_bas
   const int64_t R = head == NONE ? 0 : out_rows_t.size(1), X = head == NONE ? 0 : table.size(1);
   return Grower<T>{D, K, S, R, head, uncorrected, cand_tokens.data_ptr<int64_t>(), cand_base.data_ptr<T>(),
                    out_rows_t.data_ptr<T>(), table.data_ptr<T>(), hidden_proj.data_ptr<T>(), w_state_t.data_ptr<T>(),
-                   w_hh_t.data_ptr<T>(), X};
+                   w_hh_t.data_ptr<T>(), X, R * K};
+}
+
+// The head-corrected greedy chain over the whole (draft) vocabulary (trees/common.py
+// ``corrected_chain_logits``, what ``domino`` and ``domino-ddtree`` build from): at each depth the corrected
+// logits of every token, their argmax (the first of equal maxima, as torch's), and the head's step by it.
+// base [D, V]; out_rows_t [R, V] (the head's output rows transposed, every depth the same); the rest as above.
+// Returns the chain's draft ids [D] and its corrected logits [D, V].
+std::vector<torch::Tensor> corrected_chain(torch::Tensor base, int64_t head, torch::Tensor out_rows_t, torch::Tensor table,
+                                           torch::Tensor hidden_proj, torch::Tensor w_state_t, torch::Tensor w_hh_t,
+                                           torch::Tensor root, int64_t uncorrected) {
+  TORCH_CHECK(base.dim() == 2 && base.is_contiguous(), "corrected_chain: base [D, V] contiguous");
+  TORCH_CHECK(head == DOMINO || head == MARKOV, "corrected_chain: head 1 or 2");
+  for (auto* t : {&out_rows_t, &table, &hidden_proj, &w_state_t, &w_hh_t, &root})
+    TORCH_CHECK(t->is_contiguous() && t->scalar_type() == base.scalar_type(), "corrected_chain: contiguous tensors of one dtype");
+  const int64_t D = base.size(0), V = base.size(1), S = root.numel(), R = out_rows_t.size(0), X = table.size(1);
+  TORCH_CHECK(out_rows_t.dim() == 2 && out_rows_t.size(1) == V && table.size(0) == V, "corrected_chain: out_rows_t [R, V], table [V, X]");
+  TORCH_CHECK(X == (head == DOMINO ? 3 * S : S), "corrected_chain: table rows of 3S (Domino) or S (Markov)");
+  if (head == DOMINO)
+    TORCH_CHECK(hidden_proj.size(0) == D && hidden_proj.size(1) == R && w_state_t.size(0) == S && w_state_t.size(1) == R &&
+                w_hh_t.size(0) == S && w_hh_t.size(1) == 3 * S, "corrected_chain: Domino weights' shapes");
+  if (head == MARKOV) TORCH_CHECK(R == S, "corrected_chain: a Markov state is its rank");
+  auto logits = torch::empty({D, V}, base.options());
+  auto tokens = torch::empty({D}, torch::TensorOptions().dtype(torch::kInt64));
+  AT_DISPATCH_FLOATING_TYPES(base.scalar_type(), "corrected_chain", [&] {
+    using T = scalar_t;
+    const Grower<T> g{D, V, S, R, head, uncorrected, nullptr, base.data_ptr<T>(), out_rows_t.data_ptr<T>(), table.data_ptr<T>(),
+                      hidden_proj.data_ptr<T>(), w_state_t.data_ptr<T>(), w_hh_t.data_ptr<T>(), X, 0};
+    std::vector<T> state(root.data_ptr<T>(), root.data_ptr<T>() + S), next(S), act, scratch;
+    T* out = logits.data_ptr<T>();
+    int64_t* tok = tokens.data_ptr<int64_t>();
+    for (int64_t d = 0; d < D; ++d) {
+      T* row = out + d * V;
+      const T* base_row = base.data_ptr<T>() + d * V;
+      const T* v = d >= uncorrected ? g.correction_input(d, state.data(), 1, act) : nullptr;
+      // the whole vocabulary's rows (R x V, megabytes) split over the threads by columns: each column's sum
+      // runs over r in order on one thread, the same whatever the thread count; a thread's columns stay in
+      // its cache from one depth to the next
+      at::parallel_for(0, V, 2048, [&](int64_t c0, int64_t c1) {
+        std::copy(base_row + c0, base_row + c1, row + c0);
+        if (v == nullptr) return;
+        for (int64_t r = 0; r < R; ++r) {
+          const T a = v[r];
+          const T* w = out_rows_t.data_ptr<T>() + r * V;
+          for (int64_t c = c0; c < c1; ++c) row[c] += a * w[c];
+        }
+      });
+      int64_t best = 0;
+      for (int64_t v = 1; v < V; ++v)
+        if (row[v] > row[best]) best = v;
+      tok[d] = best;
+      if (d + 1 < D) {
+        g.advance(state.data(), {0}, {best}, next.data(), scratch);
+        state.swap(next);
+      }
+    }
+  });
+  return {tokens, logits};
 }
 
 // Requests' supertrees (one head, its tables shared; each request its own candidates, logits, hidden
@@ -315,4 +379,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grow_supertrees", &grow_supertrees, "requests' DARTree supertrees, grown depth by depth with the head's "
         "corrections, in one call with the requests over the threads",
         py::call_guard<py::gil_scoped_release>());
+  m.def("corrected_chain", &corrected_chain, "the head-corrected greedy chain over the whole draft vocabulary: its "
+        "draft ids and corrected logits", py::call_guard<py::gil_scoped_release>());
 }

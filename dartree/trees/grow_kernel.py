@@ -57,6 +57,7 @@ class HeadTables:
     w_hh_t: torch.Tensor     # Domino: the GRU's hidden weights transposed [S, 3S]
     uncorrected: int
     draft_id: torch.Tensor   # Domino: each target token's draft id (-1: not in the draft vocabulary)
+    out_rows_t: torch.Tensor  # [R, V_d] the output rows transposed, for the chain over the whole vocabulary
 
 
 def _version(head) -> tuple:
@@ -95,12 +96,13 @@ def head_tables(head) -> HeadTables | None:
         draft_id[ids] = torch.arange(ids.numel())
         tables = HeadTables(DOMINO, table.contiguous(), w2.detach().contiguous(),
                             head.embed_proj[0].weight[:, head.hidden_size:].detach().T.contiguous(),
-                            head.prefix_gru.weight_hh_l0.detach().T.contiguous(), head.uncorrected_depths, draft_id)
+                            head.prefix_gru.weight_hh_l0.detach().T.contiguous(), head.uncorrected_depths, draft_id,
+                            w2.detach().T.contiguous())
     else:
         w2 = head.markov_w2.weight
         ids = head.target_ids(torch.arange(w2.shape[0]))
         tables = HeadTables(MARKOV, head.markov_w1.weight[ids].detach().contiguous(), w2.detach().contiguous(),
-                            empty, empty, head.uncorrected_depths, torch.zeros(0, dtype=torch.long))
+                            empty, empty, head.uncorrected_depths, torch.zeros(0, dtype=torch.long), w2.detach().T.contiguous())
     head.__dict__["_grow_tables"] = (key, tables)
     return tables
 
@@ -152,3 +154,19 @@ def grow_supertrees(drafts: list, head, tree_top_k: int, width: int, budgets: li
                                    tables.w_state_t, tables.w_hh_t, list(parts[4]), tables.uncorrected, width,
                                    [0 if b is None else b for b in budgets], float(beta))
     return [tuple(g) for g in grown]
+
+
+@torch.no_grad()
+def corrected_chain(draft, head):
+    """``trees.common.corrected_chain_logits`` in one compiled call: the head-corrected greedy chain's
+    draft ids [D] and its corrected logits [D, V_d] (the same values up to the order of the products'
+    sums, tests/test_tree_kernels.py); None where the kernel does not take this head or these logits."""
+    tables = head_tables(head)
+    base = draft.base_logits
+    if tables is None or base.dtype != tables.table.dtype or base.device.type != "cpu":
+        return None
+    base = base.contiguous()
+    hidden_proj = head.start_round(draft.hidden, base).hidden_proj.contiguous() if tables.kind == DOMINO else base.new_zeros(0)
+    tokens, logits = load().corrected_chain(base, tables.kind, tables.out_rows_t, tables.table, hidden_proj, tables.w_state_t,
+                                            tables.w_hh_t, _root(head, tables, draft.bonus), tables.uncorrected)
+    return tokens, logits
