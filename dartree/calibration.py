@@ -5,8 +5,9 @@ machine, kernels):
   tokens, with the output layer over the rows a walk asks for first (``verify.first_ask``: at most
   ``verify.OUTPUT_ROWS_PER_ASK`` rows): the verify stage of the round (``engine.run_round``) for a
   tree of n - 1 nodes; n = 1 is a plain decoding step;
-- one drafter call (a round's draft, with a couple of new context rows, as in steady decoding), and
-  one call for 4 and for 16 requests at once (``drafter.draft_batch``);
+- one drafter call (a round's draft, with a couple of new context rows, as in steady decoding, as deep
+  as budget "auto" drafts when recent rounds verified shallow prefixes: ``BudgetPolicy.min_draft_depth``
+  depths), and one call for 4 and for 16 requests at once (``drafter.draft_batch``);
 - the ``dartree`` tree build at the largest budget, alone and for 4 and 16 requests together.
 
 The parts are handed in (the target adapter, the drafter's proposer, the correction head); the
@@ -26,6 +27,7 @@ import torch
 from tqdm import tqdm
 
 from . import kernels, quant
+from .budget import BudgetPolicy
 from .costmodel import CostModel
 from .default_model import cache_root
 from .engine import Request, run_round
@@ -39,7 +41,7 @@ from .verify import Sampler
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 DRAFT_BATCHES = (4, 16)  # requests in one timed batched drafter call and in one timed batch of trees
 # Part of a cached model's identity: raised whenever what is timed changes, so that older caches are measured again.
-COST_MODEL_VERSION = 10
+COST_MODEL_VERSION = 11
 
 
 def identity(target, proposer=None) -> dict:
@@ -140,6 +142,11 @@ def measure(target, proposer: DraftProposer | None = None, head: CorrectionHead 
         # follows one too (untimed). Timed back to back on warm caches, both come out cheaper than in
         # real rounds (a drafter call by up to a third; docs/experiments.md, "Notes that used to live
         # in the code").
+        # budget "auto" (the only user of these prices) drafts BudgetPolicy.min_draft_depth depths unless
+        # recent rounds verified deeper prefixes; the real calls' times then scale the price (MeasuredCostModel)
+        depth_limit = proposer.depth_limit
+        proposer.depth_limit = BudgetPolicy.min_draft_depth
+
         def draft_call():
             proposer.reset()
             proposer.draft(bonus, tapped_states[: context - 2], context - 2)  # the drafter's own prefill
@@ -153,6 +160,8 @@ def measure(target, proposer: DraftProposer | None = None, head: CorrectionHead 
         draft_ms = statistics.median(ms for _, ms in timed)
         for size in DRAFT_BATCHES:  # one call for several requests, each with its own cache and context
             group = [DraftProposer(proposer.model, proposer.embed_tokens, proposer.lm_head) for _ in range(size)]
+            for p in group:
+                p.depth_limit = proposer.depth_limit
 
             # 2-5 new context rows each (requests accept different run lengths)
             cuts = [max(context - 2 - i % 4, 1) for i in range(size)]
@@ -176,6 +185,7 @@ def measure(target, proposer: DraftProposer | None = None, head: CorrectionHead 
             for size in DRAFT_BATCHES:  # the trees of several requests built together
                 tree_batch_ms[size] = _median_ms(lambda: build_trees([builder] * size, [draft] * size, head, [max_budget] * size),
                                                  repeats, draft_call)
+        proposer.depth_limit = depth_limit
     target.reset_slot(0)
     target.capture = True
     return CostModel(identity(target, proposer), context, verify_ms, draft_ms, tree_ms, draft_batch_ms, tree_batch_ms)

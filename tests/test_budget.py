@@ -287,6 +287,22 @@ def test_calibrate_prints_the_cost_table_and_draws_it(model_dirs, tmp_path, monk
     assert '"verify_ms"' in capsys.readouterr().out
 
 
+def test_the_calibration_times_the_drafter_as_deep_as_budget_auto_first_drafts(pipelines, monkeypatch):
+    """The cost model prices the drafter call budget "auto" makes when recent prefixes were shallow
+    (min_draft_depth depths), and leaves the proposer's own depth limit as it was."""
+    from dartree import calibration
+    from dartree.proposers import drafter as drafter_module
+
+    pipe = pipelines[("llama", "domino")]
+    monkeypatch.setattr(BudgetPolicy, "min_draft_depth", 2)
+    limits, block_length = [], drafter_module.block_length
+    monkeypatch.setattr(drafter_module, "block_length", lambda cfg, given: limits.append(list(given)) or block_length(cfg, given))
+    pipe.proposer.depth_limit = None
+    calibration.measure(pipe.target, pipe.proposer, pipe.head, context=12, rows=(1, 2), repeats=1, max_budget=4, progress=False)
+    assert limits and all(given == [2] * len(given) for given in limits)
+    assert pipe.proposer.depth_limit is None
+
+
 def test_one_budget_across_a_batch_speculates_less_as_rows_stop_being_free():
     """choose_batch: with one request it is the single-request choice; as the batch grows under a
     cost model whose forward gets expensive past 16 rows, each request gets fewer nodes, and none
