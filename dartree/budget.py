@@ -15,6 +15,10 @@ tokens a round over the best b nodes commits is then 1 + sum_{i<=b} p_i. Two dec
   plain target steps: the policy takes plain steps, without a drafter call, and probes speculation
   again after ``probe_every`` steps (doubling after each lost probe, up to ``max_probe_every``).
 
+A third follows the prefixes chosen, **how deep the next draft reaches** (``draft_depth``): no deeper
+than twice the deepest node the recent rounds verified (at least ``min_draft_depth``), so the drafter
+runs a shorter block where the budget only ever looks at shallow prefixes.
+
 p_i starts as the drafter's own path probability and is calibrated online, per depth, by what the
 target accepted: c_d = (prior + accepted nodes at depth d) / (prior + predicted at depth d), with
 older rounds weighted down by ``decay`` per round so that the calibration follows the text being
