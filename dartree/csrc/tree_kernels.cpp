@@ -373,12 +373,68 @@ std::vector<std::vector<torch::Tensor>> grow_supertrees(std::vector<torch::Tenso
   return out;
 }
 
+// DDTree's best-first tree over per-depth marginals (trees/common.py ``best_first_marginals``), the same
+// pops in the same order: top_lp [D, k] (float64: the Python heap sums Python floats) and top_ids [D, k] are
+// each depth's k best log-probabilities and tokens, best first. A popped node pushes its next sibling and
+// its first child; the heap orders by score, then by push order (the Python heap's tie counter). Returns
+// tokens, parents (tree rows), depths and scores, in pop order (which is the ranking).
+std::vector<torch::Tensor> best_first(torch::Tensor top_lp, torch::Tensor top_ids, int64_t budget) {
+  TORCH_CHECK(top_lp.dim() == 2 && top_lp.scalar_type() == torch::kFloat64 && top_lp.is_contiguous(),
+              "best_first: top_lp [D, k] float64");
+  TORCH_CHECK(top_ids.sizes() == top_lp.sizes() && top_ids.scalar_type() == torch::kInt64 && top_ids.is_contiguous(),
+              "best_first: top_ids [D, k] int64");
+  const int64_t D = top_lp.size(0), k = top_lp.size(1);
+  const double* lp = top_lp.data_ptr<double>();
+  const int64_t* ids = top_ids.data_ptr<int64_t>();
+  struct Entry {
+    double key;  // minus the score
+    int64_t tie, parent, depth, rank;
+    double parent_score;
+  };
+  auto later = [](const Entry& a, const Entry& b) { return a.key > b.key || (a.key == b.key && a.tie > b.tie); };
+  std::vector<Entry> heap;
+  std::vector<int64_t> tokens, parents, depths;
+  std::vector<double> scores;
+  if (D > 0 && k > 0) heap.push_back({-lp[0], 0, 0, 1, 0, 0.0});
+  int64_t tie = 1;
+  while (!heap.empty() && (int64_t)tokens.size() < budget) {
+    std::pop_heap(heap.begin(), heap.end(), later);
+    const Entry e = heap.back();
+    heap.pop_back();
+    const double score = e.parent_score + lp[(e.depth - 1) * k + e.rank];
+    scores.push_back(score);
+    tokens.push_back(ids[(e.depth - 1) * k + e.rank]);
+    parents.push_back(e.parent);
+    depths.push_back(e.depth);
+    const int64_t row = (int64_t)tokens.size();
+    if (e.rank + 1 < k) {
+      heap.push_back({-(e.parent_score + lp[(e.depth - 1) * k + e.rank + 1]), tie++, e.parent, e.depth, e.rank + 1, e.parent_score});
+      std::push_heap(heap.begin(), heap.end(), later);
+    }
+    if (e.depth < D) {
+      heap.push_back({-(score + lp[e.depth * k]), tie++, row, e.depth + 1, 0, score});
+      std::push_heap(heap.begin(), heap.end(), later);
+    }
+  }
+  const int64_t N = (int64_t)tokens.size();
+  auto lopt = torch::TensorOptions().dtype(torch::kInt64);
+  auto tok = torch::empty({N}, lopt), par = torch::empty({N}, lopt), dep = torch::empty({N}, lopt);
+  auto sc = torch::empty({N}, torch::TensorOptions().dtype(torch::kFloat64));
+  std::copy(tokens.begin(), tokens.end(), tok.data_ptr<int64_t>());
+  std::copy(parents.begin(), parents.end(), par.data_ptr<int64_t>());
+  std::copy(depths.begin(), depths.end(), dep.data_ptr<int64_t>());
+  std::copy(scores.begin(), scores.end(), sc.data_ptr<double>());
+  return {tok, par, dep, sc};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grow_supertrees", &grow_supertrees, "requests' DARTree supertrees, grown depth by depth with the head's "
         "corrections, in one call with the requests over the threads",
         py::call_guard<py::gil_scoped_release>());
+  m.def("best_first", &best_first, "DDTree's best-first tree over per-depth marginals: tokens, parents, depths, "
+        "scores in pop order", py::call_guard<py::gil_scoped_release>());
   m.def("corrected_chain", &corrected_chain, "the head-corrected greedy chain over the whole draft vocabulary: its "
         "draft ids and corrected logits", py::call_guard<py::gil_scoped_release>());
 }

@@ -170,3 +170,13 @@ def corrected_chain(draft, head):
     tokens, logits = load().corrected_chain(base, tables.kind, tables.out_rows_t, tables.table, hidden_proj, tables.w_state_t,
                                             tables.w_hh_t, _root(head, tables, draft.bonus), tables.uncorrected)
     return tokens, logits
+
+
+@torch.no_grad()
+def best_first(top_lp: torch.Tensor, top_ids: torch.Tensor, budget: int):
+    """``trees.common.best_first_python`` in one compiled call (the same pops in the same order, the
+    scores summed in float64 as Python's floats are): (tokens, parents, depths, scores), or None
+    off the CPU or without the compiled kernels."""
+    if top_lp.device.type != "cpu" or not available():
+        return None
+    return tuple(load().best_first(top_lp.to(torch.float64).contiguous(), top_ids.contiguous(), int(budget)))
