@@ -6,8 +6,8 @@ The drafter call (one request, a steady round: 2 new context rows after a 200-to
 module forward, on the lean kernels with float32 products and with Q8_0 products (the default), with
 how far each path's base logits are from the module's; then one ``dartree`` tree build (K = 64,
 W = 12, up to 64 nodes) grown in Python and by the compiled grower, 4 / 8 / 16 requests' trees by a
-compiled call each against one call for the batch, and the head-corrected chain (`domino`, `domino-ddtree`)
-in Python and compiled. Medians of back-to-back calls.
+compiled call each against one call for the batch, the head-corrected chain (`domino`, `domino-ddtree`) and
+DDTree's best-first heap, each in Python and compiled. Medians of back-to-back calls.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from dartree.proposers.drafter import DraftProposer  # noqa: E402
 from dartree.targets.base import Part  # noqa: E402
 from dartree.targets.lean import KVStore  # noqa: E402
 from dartree.trees import grow_kernel  # noqa: E402
-from dartree.trees.common import corrected_chain_logits  # noqa: E402
+from dartree.trees.common import best_first_marginals, corrected_chain_logits  # noqa: E402
 from dartree.trees.dartree import grow_supertree  # noqa: E402
 
 
@@ -97,6 +97,10 @@ def main() -> int:
     compiled_ms = median_ms(lambda: grow_kernel.corrected_chain(draft, head))
     print(f"head-corrected chain ({draft.base_logits.shape[0]} depths, {draft.base_logits.shape[1]} draft tokens; domino, "
           f"domino-ddtree): Python {python_ms:.2f} ms, compiled {compiled_ms:.2f} ms")
+    logprobs = draft.base_logits.log_softmax(-1)
+    python_ms = median_ms(lambda: best_first_marginals(logprobs, 64))
+    compiled_ms = median_ms(lambda: grow_kernel.best_first_marginals(logprobs, 64))
+    print(f"DDTree best-first tree (B 64, top-k included): Python {python_ms:.3f} ms, compiled {compiled_ms:.3f} ms")
     return 0
 
 

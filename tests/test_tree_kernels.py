@@ -196,29 +196,29 @@ def test_the_chain_builders_call_the_compiled_chain(monkeypatch):
 @given(depths=st.integers(1, 8), vocab=st.integers(1, 12), budget=st.integers(1, 80), dtype=st.sampled_from(["float32", "float64"]),
        seed=st.integers(0, 10_000), coarse=st.booleans())
 def test_compiled_best_first_heap_pops_as_the_python_heap(depths, vocab, budget, dtype, seed, coarse):
-    """grow_kernel.best_first: DDTree's best-first tree node for node, scores bit for bit and the same
-    pop order as the Python heap (ties, many of them with coarse log-probabilities, by push order)."""
-    from dartree.trees.common import best_first_marginals, best_first_python
+    """grow_kernel.best_first_marginals: DDTree's best-first tree node for node, scores bit for bit and
+    the same pop order as the Python heap (common.best_first_marginals; ties, many of them with coarse
+    log-probabilities, by push order), without falling back to it."""
+    from dartree.trees import common
 
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(depths, vocab, generator=gen, dtype=torch.float64)
     if coarse:  # a few distinct values: equal scores everywhere
         logits = (logits * 2).round() / 2
     logprobs = logits.log_softmax(-1).to(getattr(torch, dtype))
-    k = min(budget, vocab)
-    top_lp, top_ids = logprobs.topk(k, dim=-1)
-    want = best_first_python(top_lp, top_ids, budget)
-    got = best_first_marginals(logprobs, budget)
+    want = common.best_first_marginals(logprobs, budget)
+    with pytest.MonkeyPatch.context() as patched:  # a context per example (hypothesis reuses fixtures)
+        patched.setattr(common, "best_first_marginals", lambda *a: pytest.fail("fell back to the Python heap"))
+        got = grow_kernel.best_first_marginals(logprobs, budget)
     for field in ("tokens", "parents", "depths", "log_probs", "rank"):
         assert torch.equal(getattr(got, field), getattr(want, field)), field
 
 
-def test_ddtree_builders_call_the_compiled_heap(monkeypatch):
+def test_ddtree_builders_take_the_compiled_heap(monkeypatch):
+    from dartree.trees import common
+
     head, d2t = make_head("domino", 9, 61, 1)
     draft = make_draft(9, 6, 61, d2t)
-    calls = []
-    real = grow_kernel.best_first
-    monkeypatch.setattr(grow_kernel, "best_first", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(common, "best_first_marginals", lambda *a: pytest.fail("fell back to the Python heap"))
     for method in ("ddtree", "domino-ddtree"):
-        make_builder(method, TreeSettings(budget=8)).build_tree(draft, head)
-    assert len(calls) == 2
+        assert len(make_builder(method, TreeSettings(budget=8)).build_tree(draft, head)) == 8

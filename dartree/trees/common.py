@@ -16,25 +16,12 @@ def best_first_marginals(logprobs: torch.Tensor, budget: int) -> DraftTree:
     """DDTree: the top-B prefixes under a factorised distribution, by a best-first heap.
 
     logprobs [D, V] per-depth log-probabilities. A popped node pushes its next sibling and its
-    first child, so each pop costs O(log B). Compiled where it runs (``grow_kernel.best_first``: the
-    same pops in the same order); ``best_first_python`` is the reference.
+    first child, so each pop costs O(log B). The builders take ``grow_kernel.best_first_marginals``
+    where it runs (the same pops in the same order); this is its reference.
     """
-    from . import grow_kernel  # here: grow_kernel reads this module
-
+    depth_count = logprobs.shape[0]
     k = min(budget, logprobs.shape[1])
     top_lp, top_ids = logprobs.topk(k, dim=-1)
-    grown = grow_kernel.best_first(top_lp, top_ids, budget)
-    if grown is None:
-        return best_first_python(top_lp, top_ids, budget)
-    tokens, parents, depths, scores = grown
-    tree = DraftTree(tokens, parents, depths, log_probs=scores)
-    tree.rank = torch.arange(len(tree))
-    return tree
-
-
-def best_first_python(top_lp: torch.Tensor, top_ids: torch.Tensor, budget: int) -> DraftTree:
-    """``best_first_marginals`` from each depth's k best log-probabilities and tokens, in Python."""
-    depth_count, k = top_lp.shape
     lp, ids = top_lp.tolist(), top_ids.tolist()
     tokens, parents, depths, scores = [], [], [], []
     # (-score, tie, parent row, depth, rank, parent score)
@@ -56,7 +43,7 @@ def best_first_python(top_lp: torch.Tensor, top_ids: torch.Tensor, budget: int) 
             child = score + lp[depth][0]
             heapq.heappush(heap, (-child, tie, row, depth + 1, 0, score))
             tie += 1
-    return ranked_by_pop_order(DraftTree.from_lists(tokens, parents, depths, device=top_lp.device), scores)
+    return ranked_by_pop_order(DraftTree.from_lists(tokens, parents, depths, device=logprobs.device), scores)
 
 
 def ranked_by_pop_order(tree: DraftTree, scores: list[float]) -> DraftTree:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from . import grow_kernel
 from .base import TreeBuilder, register
-from .common import best_first_marginals, corrected_chain_logits
+from .common import corrected_chain_logits
 
 
 @register
@@ -16,4 +16,4 @@ class DominoDDTreeBuilder(TreeBuilder):
 
     def build(self, draft, head, budget):
         _, logits = grow_kernel.corrected_chain(draft, head) or corrected_chain_logits(draft, head)  # compiled, where it runs
-        return best_first_marginals(logits.log_softmax(-1), budget)
+        return grow_kernel.best_first_marginals(logits.log_softmax(-1), budget)  # compiled, where it runs

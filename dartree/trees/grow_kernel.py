@@ -21,7 +21,9 @@ import torch
 
 from .. import kernels
 from ..heads import DominoHead, MarkovHead
+from . import common
 from .common import candidate_tables
+from .tree import DraftTree
 
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "tree_kernels.cpp"
 NO_HEAD, DOMINO, MARKOV = 0, 1, 2
@@ -173,10 +175,14 @@ def corrected_chain(draft, head):
 
 
 @torch.no_grad()
-def best_first(top_lp: torch.Tensor, top_ids: torch.Tensor, budget: int):
-    """``trees.common.best_first_python`` in one compiled call (the same pops in the same order, the
-    scores summed in float64 as Python's floats are): (tokens, parents, depths, scores), or None
-    off the CPU or without the compiled kernels."""
-    if top_lp.device.type != "cpu" or not available():
-        return None
-    return tuple(load().best_first(top_lp.to(torch.float64).contiguous(), top_ids.contiguous(), int(budget)))
+def best_first_marginals(logprobs: torch.Tensor, budget: int) -> DraftTree:
+    """``trees.common.best_first_marginals`` (DDTree's best-first heap), in one compiled call after the
+    top-k where it runs: the same pops in the same order, the scores summed in float64 as Python's
+    floats are. Elsewhere (off the CPU, no compiler) the Python heap."""
+    if logprobs.device.type != "cpu" or not available():
+        return common.best_first_marginals(logprobs, budget)
+    top_lp, top_ids = logprobs.topk(min(budget, logprobs.shape[1]), dim=-1)
+    tokens, parents, depths, scores = load().best_first(top_lp.to(torch.float64).contiguous(), top_ids.contiguous(), int(budget))
+    tree = DraftTree(tokens, parents, depths, log_probs=scores)
+    tree.rank = torch.arange(len(tree))
+    return tree
