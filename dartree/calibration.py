@@ -144,8 +144,7 @@ def measure(target, proposer: DraftProposer | None = None, head: CorrectionHead 
         # in the code").
         # budget "auto" (the only user of these prices) drafts BudgetPolicy.min_draft_depth depths unless
         # recent rounds verified deeper prefixes; the real calls' times then scale the price (MeasuredCostModel)
-        depth_limit = proposer.depth_limit
-        proposer.depth_limit = BudgetPolicy.min_draft_depth
+        depth_limit, proposer.depth_limit = proposer.depth_limit, BudgetPolicy.min_draft_depth
 
         def draft_call():
             proposer.reset()
@@ -161,7 +160,7 @@ def measure(target, proposer: DraftProposer | None = None, head: CorrectionHead 
         for size in DRAFT_BATCHES:  # one call for several requests, each with its own cache and context
             group = [DraftProposer(proposer.model, proposer.embed_tokens, proposer.lm_head) for _ in range(size)]
             for p in group:
-                p.depth_limit = proposer.depth_limit
+                p.depth_limit = BudgetPolicy.min_draft_depth
 
             # 2-5 new context rows each (requests accept different run lengths)
             cuts = [max(context - 2 - i % 4, 1) for i in range(size)]

@@ -161,14 +161,15 @@ def test_compiled_chain_is_the_python_corrected_chain(kind, seed, depths, reduce
     """grow_kernel.corrected_chain: the head-corrected greedy chain's tokens of the Python reference
     (common.corrected_chain_logits), its corrected logits to float64 rounding, and so the same `domino`
     chain and `domino-ddtree` tree node for node; the builders take it."""
+    from dartree.trees import common
     from dartree.trees.common import best_first_marginals, corrected_chain_logits
 
     head, d2t = make_head(kind, seed, 61 if reduced else None, pure_prefix)
     draft = make_draft(seed, depths, 61 if reduced else TARGET_VOCAB, d2t)
     want_tokens, want_logits = corrected_chain_logits(draft, head)
-    got = grow_kernel.corrected_chain(draft, head)
-    assert got is not None
-    tokens, logits = got
+    with pytest.MonkeyPatch.context() as patched:  # a context per example (hypothesis reuses fixtures)
+        patched.setattr(common, "corrected_chain_logits", lambda *a: pytest.fail("fell back to the Python chain"))
+        tokens, logits = grow_kernel.corrected_chain(draft, head)
     assert torch.equal(tokens, want_tokens)
     torch.testing.assert_close(logits, want_logits, rtol=1e-12, atol=1e-12)
     want_tree = best_first_marginals(want_logits.log_softmax(-1), budget)
@@ -182,11 +183,14 @@ def test_compiled_chain_is_the_python_corrected_chain(kind, seed, depths, reduce
 
 
 def test_the_chain_builders_call_the_compiled_chain(monkeypatch):
+    from dartree.trees import common
+
     head, d2t = make_head("domino", 7, 61, 1)
     draft = make_draft(7, 6, 61, d2t)
     calls = []
     real = grow_kernel.corrected_chain
     monkeypatch.setattr(grow_kernel, "corrected_chain", lambda d, h: calls.append(1) or real(d, h))
+    monkeypatch.setattr(common, "corrected_chain_logits", lambda *a: pytest.fail("fell back to the Python chain"))
     for method in ("domino", "domino-ddtree"):
         make_builder(method, TreeSettings(budget=8)).build_tree(draft, head)
     assert len(calls) == 2

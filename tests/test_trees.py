@@ -52,24 +52,24 @@ def reference_heap(scores, parents, budget):
 @given(monotone_supertrees())
 def test_deferred_top_b_equals_best_first_heap(tree):
     scores, parents, _, budget = tree
-    kept = select_top_b(scores, parents, budget)
-    assert kept.tolist() == reference_heap(scores, parents, budget)
-    assert kept.numel() == min(budget, scores.numel())
-    kept_rows = set((kept + 1).tolist())
-    assert all(int(parents[i]) == 0 or int(parents[i]) in kept_rows for i in kept.tolist()), "not ancestor-closed"
+    kept = select_top_b(scores.tolist(), parents.tolist(), budget)
+    assert kept == reference_heap(scores, parents, budget)
+    assert len(kept) == min(budget, scores.numel())
+    kept_rows = {i + 1 for i in kept}
+    assert all(int(parents[i]) == 0 or int(parents[i]) in kept_rows for i in kept), "not ancestor-closed"
 
 
 @settings(max_examples=100, deadline=None)
 @given(monotone_supertrees(), st.sampled_from([0.0, -0.2, -1.0]))
 def test_depth_bonus_keeps_monotonicity(tree, beta):
     scores, parents, depths, budget = tree
-    kept = select_top_b(scores + beta * depths, parents, budget)
-    assert kept.tolist() == reference_heap(scores + beta * depths, parents, budget)
+    kept = select_top_b((scores + beta * depths).tolist(), parents.tolist(), budget)
+    assert kept == reference_heap(scores + beta * depths, parents, budget)
 
 
 def test_non_monotone_scores_are_rejected():
     with pytest.raises(DartreeError, match="never increase"):
-        select_top_b(torch.tensor([-1.0, -0.5]), torch.tensor([0, 1]), 1)
+        select_top_b([-1.0, -0.5], [0, 1], 1)
 
 
 def test_positive_beta_is_rejected():
@@ -192,8 +192,8 @@ def test_early_stop_does_not_change_the_tree(kind, seed, budget, width, beta, sc
     draft.base_logits = draft.base_logits * scale
 
     def pick(st_):
-        keep = select_top_b(st_.scores + beta * st_.depths.to(st_.scores.dtype), st_.parents, budget)
-        return subtree(st_.tokens, st_.parents, st_.depths, keep).paths()
+        keep = select_top_b((st_.scores + beta * st_.depths.to(st_.scores.dtype)).tolist(), st_.parents.tolist(), budget)
+        return subtree(st_.tokens, st_.parents, st_.depths, torch.tensor(keep, dtype=torch.long)).paths()
 
     full = grow_supertree(draft, head, 8, lambda s, p: width)
     early = grow_supertree(draft, head, 8, lambda s, p: width, budget=budget, beta=beta)

@@ -328,13 +328,13 @@ std::vector<torch::Tensor> corrected_chain(torch::Tensor base, int64_t head, tor
         if (v == nullptr) return;
         for (int64_t r = 0; r < R; ++r) {
           const T a = v[r];
-          const T* w = out_rows_t.data_ptr<T>() + r * V;
+          const T* w = g.out_rows_t + r * V;
           for (int64_t c = c0; c < c1; ++c) row[c] += a * w[c];
         }
       });
       int64_t best = 0;
-      for (int64_t v = 1; v < V; ++v)
-        if (row[v] > row[best]) best = v;
+      for (int64_t c = 1; c < V; ++c)
+        if (row[c] > row[best]) best = c;
       tok[d] = best;
       if (d + 1 < D) {
         g.advance(state.data(), {0}, {best}, next.data(), scratch);

@@ -73,20 +73,14 @@ def corrected_chain_logits(draft, head: CorrectionHead) -> tuple[torch.Tensor, t
     return torch.stack(tokens), torch.stack(rows)
 
 
-def select_top_b(prune_scores: torch.Tensor, parents: torch.Tensor, budget: int) -> torch.Tensor:
+def select_top_b(prune: list[float], parents: list[int], budget: int) -> list[int]:
     """Deferred global top-B of a supertree (Lemma 1). Returns kept node positions, sorted.
 
-    prune_scores [N] (score + beta*depth) must never increase from parent to child; ties go to the
-    smaller row, so with parents numbered before children the result is ancestor-closed and equals
-    the first B pops of a best-first heap on the supertree.
+    prune [N] (score + beta*depth) must never increase from parent to child; ties go to the smaller
+    row, so with parents numbered before children the result is ancestor-closed and equals the first
+    B pops of a best-first heap on the supertree. On lists: a supertree of a few dozen nodes, every
+    round, costs less in Python's stable sort than in tensor calls.
     """
-    return torch.tensor(top_b_rows(prune_scores.tolist(), parents.tolist(), budget), dtype=torch.long,
-                        device=prune_scores.device)
-
-
-def top_b_rows(prune: list[float], parents: list[int], budget: int) -> list[int]:
-    """``select_top_b`` on lists (a supertree of a few dozen nodes: Python's stable sort costs less
-    than the tensor calls): the kept positions, sorted."""
     if any(p > 0 and score > prune[p - 1] for score, p in zip(prune, parents)):
         raise DartreeError("deferred top-B needs scores that never increase from parent to child (beta <= 0)")
     if len(prune) <= budget:

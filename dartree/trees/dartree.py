@@ -10,7 +10,7 @@ import torch
 from ..heads import CorrectionHead
 from .base import TreeBuilder, register
 from . import grow_kernel
-from .common import candidate_tables, merge_ranked, top_b_rows
+from .common import candidate_tables, merge_ranked, select_top_b
 from .tree import DraftTree
 
 
@@ -130,7 +130,7 @@ def _ranked_top_b(st: Supertree, budget: int, beta: float) -> DraftTree:
     lists: a few dozen nodes, every round."""
     prune = (st.scores + beta * st.depths.to(st.scores.dtype)).tolist()  # in the scores' own precision
     parents, scores = st.parents.tolist(), st.scores.tolist()
-    keep = top_b_rows(prune, parents, budget)
+    keep = select_top_b(prune, parents, budget)
     row = {old + 1: new + 1 for new, old in enumerate(keep)}
     row[0] = 0
     device = st.tokens.device

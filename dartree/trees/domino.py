@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from . import grow_kernel
 from .base import TreeBuilder, register
-from .common import corrected_chain_logits
 from .tree import DraftTree
 
 
@@ -14,5 +13,5 @@ class DominoBuilder(TreeBuilder):
     needs_head = True
 
     def build(self, draft, head, budget):
-        tokens, _ = grow_kernel.corrected_chain(draft, head) or corrected_chain_logits(draft, head)  # compiled, where it runs
+        tokens, _ = grow_kernel.corrected_chain(draft, head)  # compiled, where it runs
         return DraftTree.chain(tokens)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from . import grow_kernel
 from .base import TreeBuilder, register
-from .common import corrected_chain_logits
 
 
 @register
@@ -15,5 +14,5 @@ class DominoDDTreeBuilder(TreeBuilder):
     reads = ("budget",)
 
     def build(self, draft, head, budget):
-        _, logits = grow_kernel.corrected_chain(draft, head) or corrected_chain_logits(draft, head)  # compiled, where it runs
+        _, logits = grow_kernel.corrected_chain(draft, head)  # compiled, where it runs
         return grow_kernel.best_first_marginals(logits.log_softmax(-1), budget)  # compiled, where it runs

@@ -159,14 +159,15 @@ def grow_supertrees(drafts: list, head, tree_top_k: int, width: int, budgets: li
 
 
 @torch.no_grad()
-def corrected_chain(draft, head):
-    """``trees.common.corrected_chain_logits`` in one compiled call: the head-corrected greedy chain's
-    draft ids [D] and its corrected logits [D, V_d] (the same values up to the order of the products'
-    sums, tests/test_tree_kernels.py); None where the kernel does not take this head or these logits."""
+def corrected_chain(draft, head) -> tuple[torch.Tensor, torch.Tensor]:
+    """``trees.common.corrected_chain_logits`` (the head-corrected greedy chain's draft ids [D] and its
+    corrected logits [D, V_d]) in one compiled call where the kernel takes this head and these logits
+    (the same values up to the order of the products' sums, tests/test_tree_kernels.py); elsewhere the
+    Python chain."""
     tables = head_tables(head)
     base = draft.base_logits
     if tables is None or base.dtype != tables.table.dtype or base.device.type != "cpu":
-        return None
+        return common.corrected_chain_logits(draft, head)
     base = base.contiguous()
     hidden_proj = head.start_round(draft.hidden, base).hidden_proj.contiguous() if tables.kind == DOMINO else base.new_zeros(0)
     tokens, logits = load().corrected_chain(base, tables.kind, tables.out_rows_t, tables.table, hidden_proj, tables.w_state_t,
