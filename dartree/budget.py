@@ -227,8 +227,26 @@ class BudgetPolicy:
             self.accepted[d] += 1.0 if (i + 1) in on_path else 0.0
 
 
+def free_rate(policy: BudgetPolicy, tree: DraftTree | None) -> tuple[float, float]:
+    """What a round without a proposer call would have committed from ``tree`` (the n-gram tree and a
+    grammar's forced run: ``free_proposals``), alone: the expected tokens beyond the root and the rate
+    (tokens per ms) of its best prefix, a plain step's 1 / t(1) where nothing beats it."""
+    cost = policy.cost
+    best_gain, best_rate = 0.0, 1.0 / cost.verify(1)
+    if tree is None or not len(tree) or tree.rank is None:
+        return best_gain, best_rate
+    gain = 0.0
+    for b, p in enumerate(policy.probabilities(tree)[tree.rank.cpu()].tolist(), start=1):
+        gain += p
+        rate = (1.0 + gain) / cost.verify(b + 1)
+        if rate > best_rate:
+            best_gain, best_rate = gain, rate
+    return best_gain, best_rate
+
+
 def choose_batch(items: list[tuple[BudgetPolicy, DraftTree]], fixed_rows: int, base_tokens: float,
-                 prompt_rows: int = 0) -> list[BudgetChoice]:
+                 prompt_rows: int = 0, drafted: list[bool] | None = None,
+                 alternatives: list[DraftTree | None] | None = None) -> list[BudgetChoice]:
     """One budget across a batch (DARTree's global top-B, taken across requests).
 
     ``items``: each speculating request's policy and ranked tree; ``fixed_rows``: the rows the round's
@@ -239,12 +257,19 @@ def choose_batch(items: list[tuple[BudgetPolicy, DraftTree]], fixed_rows: int, b
     (base_tokens + sum of their p) / t_forward(fixed_rows + m), m = 0 (no speculation) included: as
     the batch grows and rows stop being nearly free, it speculates less. With one request this is
     the single-request choice exactly. ``prompt_rows`` of ``fixed_rows`` are prompt chunks: their
-    time is not the decoding requests' (``_decode_ms``), only what the nodes add to that forward is."""
+    time is not the decoding requests' (``_decode_ms``), only what the nodes add to that forward is.
+    ``drafted[i]`` False: request i's tree came without a proposer call (``free_proposals``, a forced
+    run): its prefix is chosen the same way, but it says nothing of what drafting brings (``note_gains``).
+    ``alternatives[i]``: what request i would have verified this round without its proposer call (the
+    n-gram tree and forced run its drafted tree also holds; None: a plain step): drafting is worth what
+    it brings beyond that (``free_rate``), not beyond a plain step."""
     cost = items[0][0].cost
+    drafted = drafted if drafted is not None else [True] * len(items)
+    alternatives = alternatives if alternatives is not None else [None] * len(items)
     probs = []
-    for policy, tree in items:
+    for (policy, tree), was_drafted in zip(items, drafted, strict=True):
         probs.append(policy.probabilities(tree)[tree.rank.cpu()].tolist() if len(tree) and tree.rank is not None else [])
-        if probs[-1]:
+        if probs[-1] and was_drafted:
             policy.note_gains(probs[-1])
     # k-way merge by each request's next node (ties: the earlier request, then the earlier rank).
     heads = [0] * len(items)
@@ -280,11 +305,12 @@ def choose_batch(items: list[tuple[BudgetPolicy, DraftTree]], fixed_rows: int, b
     extra_ms = ms[m] - ms[0]
     for i, n in enumerate(counts):
         mine = 1.0 + list(accumulate(probs[i][:n]))[-1] if n else 1.0
+        free_gain, alone_rate = free_rate(items[i][0], alternatives[i])
         if len(items) == 1 and fixed_rows == 1:
-            worth = mine / cost.round_ms(n) * cost.verify(1)
+            worth = mine / cost.round_ms(n) / alone_rate
         else:
             spent = cost.draft_share(len(items)) + cost.tree_share(len(items)) + (extra_ms * n / m if m else 0.0)
-            worth = (mine - 1.0) / spent / plain_rate if spent > 0 else 1.0
+            worth = (mine - 1.0 - free_gain) / spent / plain_rate if spent > 0 else 1.0
         choices.append(BudgetChoice(n, mine, ms[m], worth, probe_scale))
     return choices
 
@@ -298,11 +324,14 @@ def _decode_ms(cost: CostModel, fixed_rows: int, prompt_rows: int) -> float:
 
 
 def cut_batch(items: list[tuple[BudgetPolicy, DraftTree]], fixed_rows: int, base_tokens: float,
-              prompt_rows: int = 0) -> list[DraftTree]:
-    """Each request's tree to verify this round under ``choose_batch``, with each policy's state
-    updated as ``BudgetPolicy.cut`` updates it."""
-    choices = choose_batch(items, fixed_rows, base_tokens, prompt_rows)
-    return [policy.apply(tree, c) for (policy, tree), c in zip(items, choices)]
+              prompt_rows: int = 0, drafted: list[bool] | None = None,
+              alternatives: list[DraftTree | None] | None = None) -> list[DraftTree]:
+    """Each request's tree to verify this round under ``choose_batch``, with each drafted request's
+    policy updated as ``BudgetPolicy.cut`` updates it (``drafted``, ``alternatives``: as ``choose_batch``)."""
+    drafted = drafted if drafted is not None else [True] * len(items)
+    choices = choose_batch(items, fixed_rows, base_tokens, prompt_rows, drafted, alternatives)
+    return [policy.apply(tree, c) if d else tree.prefix(c.budget) if c.budget else DraftTree.empty(tree.tokens.device)
+            for (policy, tree), c, d in zip(items, choices, drafted)]
 
 
 # The most tree nodes a batch's drafting plan considers in all (the calibration times forwards up to 128 rows).

@@ -63,8 +63,9 @@ class CostModel:
 
     def rounds_ms(self, tree_sizes: list[int], drafted: list[bool]) -> float:
         """Milliseconds of a request's rounds (``GenerationStats.tree_sizes`` / ``drafted``): a drafted
-        round costs ``round_ms`` of its tree, a plain step a one-row forward."""
-        return sum(self.round_ms(n) if d else self.verify(1) for n, d in zip(tree_sizes, drafted, strict=True))
+        round costs ``round_ms`` of its tree, a round without a proposer call a forward over its tree (the
+        n-gram tree or forced run it verified without one; none: a plain step)."""
+        return sum(self.round_ms(n) if d else self.verify(n + 1) for n, d in zip(tree_sizes, drafted, strict=True))
 
     def to_json(self) -> str:
         raw = {f.name: getattr(self, f.name) for f in fields(CostModel)}  # a MeasuredCostModel's scales are this process's

@@ -205,6 +205,8 @@ class Lane:
     decoding: bool  # False: it is prefilling (its prompt rows run this round)
     prompt_rows: int = 0  # a prefilling request: the prompt rows it runs this round
     speculates: bool = False  # its proposer is called this round
+    free: bool = False  # its proposal came without a proposer call (``free_proposals``: budget auto did not pay for one)
+    alternative: DraftTree | None = None  # drafted under budget auto: what it would verify without the call
     proposal: object | None = None  # what its proposer gave (a drafter's draft, or a finished tree)
     tree: DraftTree | None = None  # a decoding request's tree (empty: a plain step)
     part: Part | None = None  # its rows in the round's forward
@@ -301,6 +303,21 @@ def propose(state: RoundState) -> None:
     state.clock.lap("draft")
     if state.costs is not None and continuing:  # the model prices continuing calls, not a first one
         state.costs.observe("draft", state.costs.calibrated_draft(len(continuing)), state.clock.laps["draft"] - first_calls_ms)
+    # the rest of budget auto's requests take what their proposers offer without a call (the n-gram tree)
+    offering = [ln for ln in state.live(decoding=True) if not ln.speculates and ln.request.policy is not None
+                and hasattr(ln.request.proposer, "free_proposals")]
+    for kind in dict.fromkeys(ln.request.proposer.batch_key for ln in offering):
+        _together([ln for ln in offering if ln.request.proposer.batch_key == kind], _free_group)
+    if offering:
+        state.clock.lap("draft")
+
+
+def _free_group(lanes: list[Lane]) -> None:
+    requests = [ln.request for ln in lanes]
+    trees = type(requests[0].proposer).free_proposals([r.proposer for r in requests], [r.bonus for r in requests],
+                                                      [r.position for r in requests])
+    for ln, tree in zip(lanes, trees):
+        ln.proposal, ln.free = tree, True
 
 
 def _grow_group(lanes: list[Lane]) -> None:
@@ -315,8 +332,18 @@ def grow(state: RoundState) -> None:
     """Each decoding request's method builds its tree from its proposal (``ar``'s, or one without a
     proposal this round, is empty: a plain step), requests of one method and settings together."""
     building = [ln for ln in state.live(decoding=True) if ln.request.proposer is None or ln.proposal is not None]
-    if building:
-        _together(building, _grow_group)
+    for ln in building:  # structured output: the draft steered to the grammar where every branch shares its state
+        if ln.request.constraint is not None and ln.proposal is not None:
+            try:
+                ln.proposal = ln.request.constraint.steer(ln.proposal)
+            except Exception as exc:  # noqa: BLE001 - this request ends with its error; the others go on
+                ln.fail(exc)
+    building = [ln for ln in building if not ln.request.finished]
+    for ln in building:
+        if ln.free:  # a finished ranked tree: the budget's cut takes its prefix
+            ln.tree = ln.proposal
+    if any(not ln.free for ln in building):
+        _together([ln for ln in building if not ln.free], _grow_group)
     # structured output: the grammar prunes the tree and, for a method that speculates (not the plain
     # ``ar`` baseline), adds the tokens it forces
     for ln in state.live(decoding=True):
@@ -326,10 +353,24 @@ def grow(state: RoundState) -> None:
                                                       force=ln.request.proposer is not None, beta=ln.request.builder.depth_bonus)
             except Exception as exc:  # noqa: BLE001 - this request ends with its error; the others go on
                 ln.fail(exc)
+    for ln in building:
+        if not ln.request.finished:
+            ln.alternative = _alternative(ln.request, ln.proposal, ln.free, state.target.device)
     state.clock.lap("tree")
-    priced = [ln for ln in building if ln.request.policy is not None and ln.proposal is not None]
+    priced = [ln for ln in building if ln.request.policy is not None and ln.proposal is not None and not ln.free]
     if state.costs is not None and priced and len(priced) == len(building):  # the model prices budgeted builds
         state.costs.observe("tree", state.costs.calibrated_tree(len(priced)), state.clock.laps["tree"])
+
+
+def _alternative(r: Request, proposal, free: bool, device: torch.device) -> DraftTree | None:
+    """A drafted round's tree without its proposer call (the proposal's ``free_part``, and a grammar's
+    forced run), which budget auto weighs drafting against; None where it is a plain step or not needed."""
+    if free or proposal is None or r.policy is None:
+        return None
+    tree = getattr(proposal, "free_part", None)
+    if r.constraint is not None:
+        tree = r.constraint.shape(tree if tree is not None else DraftTree.empty(device), beta=r.builder.depth_bonus)
+    return tree
 
 
 def cut(state: RoundState) -> None:
@@ -341,7 +382,8 @@ def cut(state: RoundState) -> None:
         return
     fixed_rows = len(decoding) + state.prompt_rows + sum(len(ln.tree) for ln in decoding
                                                          if ln.request.policy is None and ln.tree is not None)
-    trees = cut_batch([(ln.request.policy, ln.tree) for ln in ranked], fixed_rows, float(len(decoding)), state.prompt_rows)
+    trees = cut_batch([(ln.request.policy, ln.tree) for ln in ranked], fixed_rows, float(len(decoding)), state.prompt_rows,
+                      [ln.proposal is not None and not ln.free for ln in ranked], [ln.alternative for ln in ranked])
     for ln, tree in zip(ranked, trees):
         ln.tree = tree
     state.clock.lap("tree")
@@ -470,7 +512,7 @@ def observe(state: RoundState) -> None:
                 r.proposer.learn(ln.tree, accepted)
             r.stats.acceptance_lengths.append(len(accepted))
             r.stats.tree_sizes.append(len(ln.tree))
-            r.stats.drafted.append(ln.proposal is not None)
+            r.stats.drafted.append(ln.proposal is not None and not ln.free)
             r.bonus = next_bonus
             r.emit(ln.part.tokens[accepted[1:]].tolist() + [next_bonus])
         except Exception as exc:  # noqa: BLE001 - this request ends with its error; the others go on
@@ -609,19 +651,26 @@ def reference_round(target: Target, r: Request) -> None:
             r.emit([r.bonus])
             r.decode_start = r.decode_start or time.perf_counter()
         return
-    proposal, tree = None, DraftTree.empty(target.device)
+    proposal, free, tree = None, False, DraftTree.empty(target.device)
     if r.proposer is not None and (r.policy is None or r.policy.speculate()):
         (proposal,) = type(r.proposer).propose_batch([r.proposer], [r.bonus], [r.position])
         if not r.drafted:
             r.drafted, r.decode_start = True, time.perf_counter()
+    elif r.policy is not None and hasattr(r.proposer, "free_proposals"):  # as ``propose``: what comes without a call
+        (proposal,), free = type(r.proposer).free_proposals([r.proposer], [r.bonus], [r.position]), True
     built = r.proposer is None or proposal is not None
-    if built:
+    if free:
+        tree = proposal
+    elif built:
+        if r.constraint is not None and proposal is not None:  # as ``grow``: the draft steered to the grammar
+            proposal = r.constraint.steer(proposal)
         budget = r.policy.round_budget(r.builder.settings.build_budget) if r.policy is not None else None
         (tree,) = build_trees([r.builder], [proposal], getattr(r.proposer, "head", None), [budget])
     if r.constraint is not None:  # as ``grow``: pruned, and the forced run added
         tree = r.constraint.shape(tree, force=r.proposer is not None, beta=r.builder.depth_bonus)
     if r.policy is not None and (built or r.constraint is not None):
-        (tree,) = cut_batch([(r.policy, tree)], 1, 1.0, 0)
+        (tree,) = cut_batch([(r.policy, tree)], 1, 1.0, 0, [proposal is not None and not free],
+                            [_alternative(r, proposal, free, target.device)])
     tokens, depths = tree.rows(r.bonus)
     ((hidden, tapped),) = target.forward_parts([Part(r.slot, tokens, depths, ancestor_matrix(tree))])
     after = (r.position + 1 + depths).tolist()
@@ -635,7 +684,7 @@ def reference_round(target: Target, r: Request) -> None:
         r.proposer.learn(tree, accepted)
     r.stats.acceptance_lengths.append(len(accepted))
     r.stats.tree_sizes.append(len(tree))
-    r.stats.drafted.append(proposal is not None)
+    r.stats.drafted.append(proposal is not None and not free)
     r.bonus = bonus
     r.emit(tokens[accepted[1:]].tolist() + [bonus])
 

@@ -13,7 +13,10 @@ T = 0 every method writes exactly constrained ``ar``'s tokens and at T > 0 a sam
 distribution. A drafted node whose token the grammar forbids can never be on the accepted path; the
 tree methods' proposals need not know the grammar for the output to be right (``Constraint.prune``
 removes such nodes before the forward, so they cost no row), and where the grammar forces the next
-tokens they join the tree at probability 1 (``Constraint.shape``).
+tokens they join the tree at probability 1 (``Constraint.shape``). Before a tree is built, the drafter's
+base logits are steered (``Constraint.steer``) at the depths whose grammar state every branch shares: the
+forced run, then the tokens the grammar allows after it, so the tree spends its nodes beyond the forced run
+on tokens that can be accepted.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy
 import torch
@@ -33,6 +36,9 @@ from .trees.tree import DraftTree
 
 FORMAT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 JSON_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")  # a bare schema's "type"
+# How far a steered draft's forbidden tokens fall below the allowed ones: far more than a correction head
+# moves a logit, so no branch through a forbidden token outranks one through an allowed token.
+STEER_PENALTY = 1e4
 # JSON without whitespace between tokens: the model's own answers follow the template, and a single
 # allowed next token (a quote, a colon, a key) is then certain.
 _JSON_OPTIONS = {"whitespace_flexible": False}
@@ -166,6 +172,7 @@ class Constraint:
         self.vocab_size = vocab_size
         self._bitmask = llt.allocate_token_bitmask(1, vocab_size)
         self._fill = llt.fill_next_token_bitmask
+        self._forced: list[int] | None = None  # the forced run after the committed text (None: not asked yet)
 
     def _allowed(self) -> torch.Tensor:
         """The tokens the grammar allows now, [V] bool (bit k of the mask's byte j is token 8j + k; numpy
@@ -198,6 +205,57 @@ class Constraint:
             self.matcher.rollback(len(held))
         return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
+    def forced(self) -> list[int]:
+        """The tokens the grammar forces after the committed text (each the only one allowed), kept until
+        the next commit."""
+        if self._forced is None:
+            self._forced = list(self.matcher.compute_ff_tokens())
+        return self._forced
+
+    def steer(self, proposal):
+        """The proposal with its draft's base logits (``DraftOutput``: [D, V_d] over draft ids, ``d2t`` to
+        target ids; or a proposal holding one as ``.draft``) steered to the grammar where its state does not
+        depend on the branch: at the depths of the forced run only the forced token keeps its logit, and at
+        the depth after it only the tokens the grammar allows there; the others lose ``STEER_PENALTY``. The
+        steering stops where the drafter's vocabulary lacks a forced token (no branch of it reaches past).
+        Proposals without a draft (an n-gram tree) are returned as they are. The output never depends on
+        it: only which tokens the tree tries does."""
+        if hasattr(proposal, "draft"):
+            return replace(proposal, draft=self.steer(proposal.draft))
+        base = getattr(proposal, "base_logits", None)
+        if base is None or not base.shape[0]:
+            return proposal
+        depths, width = base.shape
+        ids = torch.arange(width, device=base.device)
+        if proposal.d2t is not None:
+            ids = ids + proposal.d2t
+        steered: list[torch.Tensor] = []  # per depth from the first: the draft ids the grammar allows there
+        forced = self.forced()
+        for token in forced[:depths]:
+            allowed = ids == token
+            if not bool(allowed.any()):
+                break
+            steered.append(allowed)
+        else:
+            if len(steered) < depths:
+                if forced:
+                    self.matcher.consume_tokens(forced)
+                try:
+                    allowed = self._allowed()
+                finally:
+                    if forced:
+                        self.matcher.rollback(len(forced))
+                in_target = ids < allowed.numel()
+                allowed = in_target & allowed[ids.clamp(max=allowed.numel() - 1)].to(base.device)
+                if bool(allowed.any()) and not bool(allowed.all()):
+                    steered.append(allowed)
+        if not steered:
+            return proposal
+        base = base.clone()
+        for depth, allowed in enumerate(steered):
+            base[depth] -= STEER_PENALTY * (~allowed).to(base.dtype)
+        return replace(proposal, base_logits=base)
+
     def prune(self, tree: DraftTree) -> DraftTree:
         """The tree without the nodes whose path the grammar forbids after the committed text: they could
         never be accepted, so they get no row of the forward (a ranked tree stays ranked)."""
@@ -217,7 +275,7 @@ class Constraint:
         and so is every tree with ``force`` off. ``beta``: the method's depth bonus, with which the merged
         tree is ranked as its builder ranked it."""
         tree = self.prune(tree)
-        forced = self.matcher.compute_ff_tokens() if force else []
+        forced = self.forced() if force else []
         if not forced or (len(tree) and tree.log_probs is None):
             return tree
         chain = DraftTree.chain(torch.tensor(forced, dtype=torch.long, device=tree.tokens.device))
@@ -228,6 +286,7 @@ class Constraint:
     def advance(self, tokens: list[int]) -> list[int]:
         """Committed tokens (each was allowed when chosen), up to where the structure is complete: the
         ones a round verified past that point are dropped, as ``ar`` would never have written them."""
+        self._forced = None
         for i, token in enumerate(tokens):
             if self.done:
                 return tokens[:i]

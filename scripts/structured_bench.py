@@ -4,6 +4,8 @@ T = 0, on the default model, one process, one run:
 
 - constrained ``ar``, the default ``dartree`` and ``ngram`` under each prompt's schema: every answer parsed and
   validated with ``jsonschema``, tokens compared with constrained ``ar``'s, decode tokens per second, tau;
+- with ``--unsteered``, ``dartree`` again with its draft not steered to the grammar (``Constraint.steer`` off),
+  taking turns with the steered run prompt by prompt;
 - ``dartree`` on the same prompts without a schema (its tau, against which the forced tokens should show);
 - the grammar's own cost (``structured.Constraint``: masks, pruning and forced runs, advancing) as a share of
   the decode time;
@@ -16,6 +18,7 @@ T = 0, on the default model, one process, one run:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 import urllib.request
@@ -49,6 +52,18 @@ def timed_constraint(spent: dict[str, float]) -> None:
         setattr(structured.Constraint, name, wrapper)
 
 
+@contextlib.contextmanager
+def steering(on: bool):
+    """``Constraint.steer`` as it is (on) or the proposal handed on unsteered (off)."""
+    original = structured.Constraint.steer
+    if not on:
+        structured.Constraint.steer = lambda self, proposal: proposal
+    try:
+        yield
+    finally:
+        structured.Constraint.steer = original
+
+
 def valid(text: str, schema: dict) -> bool:
     try:
         jsonschema.validate(json.loads(text), schema)
@@ -72,6 +87,9 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True, help="folder for records.jsonl and summary.md")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--unsteered", action="store_true",
+                    help="also run dartree with the draft not steered to the grammar (the A/B of Constraint.steer)")
+    ap.add_argument("--no-llama", action="store_true", help="skip llama.cpp's json_schema run")
     ap.add_argument("--limit", type=int, default=None, help="only the first N prompts")
     args = ap.parse_args()
     prompts = [json.loads(line) for line in PROMPTS.read_text().splitlines() if line.strip()][:args.limit]
@@ -79,6 +97,8 @@ def main() -> int:
     spent = defaultdict(float)
     timed_constraint(spent)
     runs = [("ar", True), ("dartree", True), ("ngram", True), ("dartree", False)]
+    if args.unsteered:  # the A/B of the draft's steering to the grammar (``Constraint.steer``)
+        runs.insert(2, ("dartree", "unsteered"))
     for p in prompts[:2]:  # warm-up: kernels, the grammar tokenizer, the first compile
         pipe.generate(messages=[{"role": "user", "content": p["prompt"]}], method="dartree", max_new_tokens=8,
                       response_format=p["schema"])
@@ -88,16 +108,17 @@ def main() -> int:
         rec = {"id": p["id"], "shape": p["shape"]}
         for method, constrained in runs:
             spent["grammar"] = 0.0
-            res = pipe.generate(messages=messages, method=method, max_new_tokens=args.max_new_tokens,
-                                response_format=p["schema"] if constrained else None)
+            with steering(constrained != "unsteered"):
+                res = pipe.generate(messages=messages, method=method, max_new_tokens=args.max_new_tokens,
+                                    response_format=p["schema"] if constrained else None)
             s = res.stats
-            rec[f"{method}{'' if constrained else '-free'}"] = {
+            rec[f"{method}{'' if constrained is True else '-free' if not constrained else '-' + constrained}"] = {
                 "token_ids": res.token_ids, "text": res.text, "new_tokens": s.new_tokens, "rounds": s.rounds,
                 "tau": s.mean_acceptance, "decode_seconds": s.decode_seconds, "finish": s.finish_reason,
                 "grammar_seconds": spent["grammar"], "valid": valid(res.text, p["schema"]) if constrained else None}
         records.append(rec)
     peer = None
-    if llama_cpp.missing() is None:
+    if llama_cpp.missing() is None and not args.no_llama:
         with llama_cpp.start_peer("llama.cpp-q4_1", args.threads) as server:
             for p, rec in zip(tqdm(prompts, desc="llama.cpp json_schema", unit="prompt"), records):
                 ids = pipe.encode(messages=[{"role": "user", "content": p["prompt"]}]).tolist()
@@ -125,7 +146,7 @@ def summary(records, peer, args, pipe) -> str:
              "", "| run | valid | = constrained ar | tokens/s | x constrained ar | tau | grammar share of decode |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     ar_rate = rate("ar")
-    for key in ("ar", "dartree", "ngram", "dartree-free"):
+    for key in [k for k in ("ar", "dartree", "dartree-unsteered", "ngram", "dartree-free") if k in records[0]]:
         same = sum(r[key]["token_ids"] == r["ar"]["token_ids"] for r in records) if key != "dartree-free" else None
         ok = sum(bool(r[key]["valid"]) for r in records) if key != "dartree-free" else None
         taus = [r[key]["tau"] for r in records]

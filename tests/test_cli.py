@@ -39,7 +39,7 @@ def test_generate_plain_text_and_stats_line(model_dirs, capsys):
 
 def test_generate_says_when_budget_auto_took_plain_steps(model_dirs, capsys, monkeypatch):
     """A mean acceptance near 1 with budget auto must not read as a broken drafter: the stats line says
-    how many rounds verified no draft and why."""
+    how many rounds made no proposer call and why."""
     from conftest import synthetic_cost
 
     monkeypatch.setattr("dartree.pipeline.load_or_measure", lambda pipe, *a, **k: synthetic_cost(1.0, 50.0, draft_ms=1.0))
@@ -47,7 +47,7 @@ def test_generate_says_when_budget_auto_took_plain_steps(model_dirs, capsys, mon
             "--drafter", str(model_dirs[("llama", "domino")]), "-n", "12", "--dtype", "float64"]
     assert main(args) == 0
     err = capsys.readouterr().err
-    assert "[budget auto]" in err and "verified no draft" in err
+    assert "[budget auto]" in err and "made no proposer call" in err
     assert main(args + ["--budget", "4"]) == 0
     assert "[budget auto]" not in capsys.readouterr().err
 

@@ -183,3 +183,39 @@ def test_masks_of_many_rows_are_each_rows_own(grammars, paths, fmt):
         alone = Constraint(grammars.compile(compiled), VOCAB)
         assert torch.equal(got[i], alone.mask(logits[i:i + 1], [path])[0])
     assert torch.equal(together.mask(logits[:1], [()]), Constraint(grammars.compile(compiled), VOCAB).mask(logits[:1], [()]))
+
+
+def test_the_draft_is_steered_where_every_branch_shares_the_grammar_state(grammars):
+    """``Constraint.steer``: the forced run's depths keep only the forced token, the depth after it only the
+    tokens the grammar allows there (the engine's own masks), deeper depths are untouched; where the
+    drafter's vocabulary lacks a forced token the steering stops before it; the constraint's state is as
+    before."""
+    from dartree.drafter import DraftOutput
+    from dartree.structured import STEER_PENALTY
+
+    torch.manual_seed(0)
+    constraint = Constraint(grammars.compile(OutputFormat.parse({"choice": ["ab12", "c"]})), VOCAB)
+    base = torch.randn(6, VOCAB)
+    root = constraint.steer(DraftOutput(bonus=1, hidden=torch.zeros(6, 4), base_logits=base))  # "a" or "c": no forced run
+    allowed = constraint.mask(torch.zeros(1, VOCAB), [()])[0] == 0
+    assert allowed.tolist() == [t in (1, 3) for t in range(VOCAB)]
+    assert torch.equal(root.base_logits[0], base[0] - STEER_PENALTY * (~allowed).float())
+    assert torch.equal(root.base_logits[1:], base[1:])
+    constraint.advance([1])  # "a": the rest, "b12", is forced
+    assert constraint.forced() == [2, 6, 7]
+    steered = constraint.steer(DraftOutput(bonus=1, hidden=torch.zeros(6, 4), base_logits=base))
+    assert steered.base_logits[:3].argmax(-1).tolist() == [2, 6, 7]
+    assert (steered.base_logits[:3].topk(2).values[:, 1] < base.min() - STEER_PENALTY / 2).all()
+    after = constraint.mask(torch.zeros(1, VOCAB), [(2, 6, 7)])[0] == 0
+    assert not after.all()
+    assert torch.equal(steered.base_logits[3], base[3] - STEER_PENALTY * (~after).float())
+    assert torch.equal(steered.base_logits[4:], base[4:]) and constraint.forced() == [2, 6, 7]
+    # a reduced draft vocabulary without "1" (draft ids 0..4 are target ids 0, 1, 2, 3, 7): only "b" is steered
+    d2t = torch.tensor([0, 0, 0, 0, 3])
+    reduced = constraint.steer(DraftOutput(bonus=1, hidden=torch.zeros(6, 4), base_logits=base[:, :5], d2t=d2t))
+    assert reduced.base_logits[0].argmax() == 2 and torch.equal(reduced.base_logits[1:], base[1:, :5])
+    # a proposal holding a draft (the drafter with the n-gram tree) is steered the same way
+    from dartree.proposers.combined import DraftAndNgram
+    from dartree.trees import DraftTree
+    both = constraint.steer(DraftAndNgram(DraftOutput(bonus=1, hidden=torch.zeros(6, 4), base_logits=base), DraftTree.empty()))
+    assert torch.equal(both.draft.base_logits, steered.base_logits)

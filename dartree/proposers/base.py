@@ -18,6 +18,13 @@ A proposer serves ONE request (its own state: a drafter cache, a suffix index, .
 - ``learn(tree, accepted)`` (optional): after a round with its proposal, the tree the target verified
   (its proposal as the method and the budget cut it, target ids) and the rows of the accepted path
   (0 the root): what a proposer that estimates its own acceptance learns from (``ngram``).
+- ``free_proposals(proposers, bonuses, positions) -> [DraftTree, ...]`` (optional classmethod): what
+  it offers, at next to no cost (no model call), in a round whose budget does not pay for
+  ``propose_batch`` (budget auto backed off, or the batch's plan left it out): finished ranked trees
+  as above. The drafter with the n-gram proposer offers its n-gram tree, so a round without a drafter
+  call still verifies the text's repeats where they pay. A proposal that holds such a tree besides
+  its draft names it ``free_part``: budget auto then weighs a drafted round against it, not against
+  a plain step.
 - ``finish(prompt, output)`` (optional): the request ended, with these prompt and output token ids
   (what the n-gram proposer hands to the server-wide suffix cache).
 

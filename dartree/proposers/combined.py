@@ -27,6 +27,11 @@ class DraftAndNgram:
     def bonus(self) -> int:
         return self.draft.bonus
 
+    @property
+    def free_part(self) -> DraftTree:
+        """What ``free_proposals`` would have offered this round: the n-gram tree."""
+        return self.ngram
+
 
 @register
 class DraftAndNgramProposer:
@@ -70,6 +75,12 @@ class DraftAndNgramProposer:
 
     def finish(self, prompt: list[int], output: list[int]) -> None:
         self.ngram.finish(prompt, output)
+
+    @classmethod
+    def free_proposals(cls, proposers: list["DraftAndNgramProposer"], bonuses: list[int],
+                       positions: list[int]) -> list[DraftTree]:
+        """Without a drafter call: each request's n-gram tree (a lookup in its own index)."""
+        return NgramProposer.propose_batch([p.ngram for p in proposers], bonuses, positions)
 
     @classmethod
     def propose_batch(cls, proposers: list["DraftAndNgramProposer"], bonuses: list[int],
