@@ -1,20 +1,32 @@
-"""Budget "auto" with and without its draft depth, beside `ar`, in one process on the bundled model.
+"""Budget "auto" variants beside `ar`, in one process on the bundled model.
 
     .venv/bin/python scripts/draft_depth_ab.py --per-dataset 3 --seed 1 [--out FILE.json]
+    .venv/bin/python scripts/draft_depth_ab.py --configs ar,no-free-rounds,shipped,ngram --per-dataset 4
 
 Held-out prompts (the first turns of ``--per-dataset`` seeded samples of each of the seven
 benchmarks), 96 new tokens, T = 0. For every prompt the configurations take turns (the order flips
-from one prompt to the next, so that a guest whose speed drifts shifts them alike): `ar`; `dartree`,
-budget auto, drafting every depth of the drafter's block (the policy's ``draft_depth`` forced to
-None); `dartree`, budget auto as shipped (the draft reaches twice the deepest node recent rounds
-verified, at least 8 depths). Reported per configuration: decode tokens per second (prefill left
-out), tau over all rounds and over drafted rounds, drafted rounds, and the drafter call and tree
-build per drafted round (the stage clock). Every configuration's text is checked equal to `ar`'s.
+from one prompt to the next, so that a guest whose speed drifts shifts them alike). Configurations
+(``--configs``, default ``ar,every-depth,shipped``):
+
+- ``ar``: plain decoding;
+- ``shipped``: `dartree`, budget auto as shipped (the draft reaches twice the deepest node recent
+  rounds verified, at least 8 depths; rounds without a drafter call verify the n-gram tree, and a
+  drafted round is weighed against that free tree);
+- ``every-depth``: the same, drafting every depth of the drafter's block (``draft_depth`` forced to None);
+- ``no-free-rounds``: the same, as before rounds without a drafter call verified anything (the
+  proposer's ``free_proposals`` and the proposal's ``free_part`` taken away: such a round is a plain
+  step, and a drafted round is weighed against a plain step);
+- ``ngram``: the n-gram proposer alone, budget auto.
+
+Reported per configuration: decode tokens per second (prefill left out), tau over all rounds and over
+drafted rounds (rounds with a proposer call), those rounds, and the proposer call and tree build per
+such round (the stage clock). Every configuration's text is checked equal to `ar`'s.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -25,6 +37,39 @@ import dartree  # noqa: E402
 from dartree.bench.datasets import DATASETS, load_samples, select  # noqa: E402
 from dartree.budget import BudgetPolicy  # noqa: E402
 from dartree.hardware import describe_machine  # noqa: E402
+from dartree.proposers.combined import DraftAndNgram, DraftAndNgramProposer  # noqa: E402
+
+
+@contextlib.contextmanager
+def patched(owner, name: str, value):
+    """``owner.name`` set to ``value`` (or taken away, where ``value`` is ``REMOVE``) for the block."""
+    original = owner.__dict__[name]
+    if value is REMOVE:
+        delattr(owner, name)
+    else:
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+REMOVE = object()
+
+
+@contextlib.contextmanager
+def no_free_rounds():
+    with patched(DraftAndNgramProposer, "free_proposals", REMOVE), patched(DraftAndNgram, "free_part", REMOVE):
+        yield
+
+
+CONFIGS = {  # name: (method, the context it runs in)
+    "ar": ("ar", contextlib.nullcontext),
+    "every-depth": ("dartree", lambda: patched(BudgetPolicy, "draft_depth", lambda self: None)),
+    "shipped": ("dartree", contextlib.nullcontext),
+    "no-free-rounds": ("dartree", no_free_rounds),
+    "ngram": ("ngram", contextlib.nullcontext),
+}
 
 
 def main() -> None:
@@ -34,34 +79,33 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--data-dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "benchmarks"))
     ap.add_argument("--out", default=None)
+    ap.add_argument("--configs", default="ar,every-depth,shipped",
+                    help=f"comma list from {', '.join(CONFIGS)} (the first is the baseline; ar must be in it)")
     args = ap.parse_args()
+    configs = {name: CONFIGS[name] for name in args.configs.split(",")}
+    if "ar" not in configs:
+        ap.error("--configs must hold ar (every text is checked against it)")
     pipe = dartree.load()
     prompts = [s.turns[0] for ds in DATASETS for s in select(load_samples(ds, args.data_dir), args.per_dataset, seed=args.seed)]
-    shipped = BudgetPolicy.draft_depth
-    configs = {"ar": ("ar", None), "dartree, every depth": ("dartree", lambda self: None), "dartree (shipped)": ("dartree", shipped)}
     totals = {name: {"tokens": 0, "ms": 0.0, "rounds": 0, "drafted": 0, "drafted_tokens": 0, "draft_ms": 0.0, "tree_ms": 0.0}
               for name in configs}
     mismatches = 0
-    try:
-        for i, prompt in enumerate(prompts):
-            texts = {}
-            for name in (list(configs) if i % 2 == 0 else list(configs)[::-1]):
-                method, depth = configs[name]
-                if depth is not None:
-                    BudgetPolicy.draft_depth = depth
+    for i, prompt in enumerate(prompts):
+        texts = {}
+        for name in (list(configs) if i % 2 == 0 else list(configs)[::-1]):
+            method, context = configs[name]
+            with context():
                 res = pipe.generate(prompt, method=method, max_new_tokens=args.max_new_tokens)
-                t, st = totals[name], res.stats
-                t["tokens"] += len(res.token_ids)
-                t["ms"] += sum(v for stage, v in st.stage_ms.items() if stage != "prefill")
-                t["rounds"] += st.rounds
-                t["drafted"] += sum(st.drafted)
-                t["drafted_tokens"] += sum(a for a, d in zip(st.acceptance_lengths, st.drafted) if d)
-                t["draft_ms"] += st.stage_ms.get("draft", 0.0)
-                t["tree_ms"] += st.stage_ms.get("tree", 0.0)
-                texts[name] = res.token_ids
-            mismatches += sum(ids != texts["ar"] for ids in texts.values())
-    finally:
-        BudgetPolicy.draft_depth = shipped
+            t, st = totals[name], res.stats
+            t["tokens"] += len(res.token_ids)
+            t["ms"] += sum(v for stage, v in st.stage_ms.items() if stage != "prefill")
+            t["rounds"] += st.rounds
+            t["drafted"] += sum(st.drafted)
+            t["drafted_tokens"] += sum(a for a, d in zip(st.acceptance_lengths, st.drafted) if d)
+            t["draft_ms"] += st.stage_ms.get("draft", 0.0)
+            t["tree_ms"] += st.stage_ms.get("tree", 0.0)
+            texts[name] = res.token_ids
+        mismatches += sum(ids != texts["ar"] for ids in texts.values())
     rows = {}
     ar_speed = 1000.0 * totals["ar"]["tokens"] / totals["ar"]["ms"]
     print(f"{describe_machine()}; {len(prompts)} prompts, {args.max_new_tokens} tokens, T = 0, target {pipe.target.name}")
