@@ -181,10 +181,12 @@ class BudgetPolicy:
                          dtype=torch.float64)
         return c[depths.clamp(max=self.max_depth).cpu()]
 
-    def probabilities(self, tree: DraftTree) -> torch.Tensor:
-        """Calibrated acceptance probability of every node (in node order)."""
+    def probabilities(self, tree: DraftTree, calibrated: bool = True) -> torch.Tensor:
+        """Calibrated acceptance probability of every node (in node order); ``calibrated`` False: the
+        tree's own (a tree offered without a drafter call: the n-gram proposer learns its own rates,
+        and the calibration by depth learns the drafter's, so it must not scale them again)."""
         p = tree.log_probs.detach().to(torch.float64).cpu().exp()
-        return (p * self.calibration(tree.depths)).clamp(0.0, 1.0)
+        return (p * self.calibration(tree.depths) if calibrated else p).clamp(0.0, 1.0)
 
     def choose(self, tree: DraftTree) -> BudgetChoice:
         """The prefix size b (0..len(tree)) that maximises this round's expected tokens per ms of
@@ -236,7 +238,7 @@ def free_rate(policy: BudgetPolicy, tree: DraftTree | None) -> tuple[float, floa
     if tree is None or not len(tree) or tree.rank is None:
         return best_gain, best_rate
     gain = 0.0
-    for b, p in enumerate(policy.probabilities(tree)[tree.rank.cpu()].tolist(), start=1):
+    for b, p in enumerate(policy.probabilities(tree, calibrated=False)[tree.rank.cpu()].tolist(), start=1):
         gain += p
         rate = (1.0 + gain) / cost.verify(b + 1)
         if rate > best_rate:
@@ -268,7 +270,8 @@ def choose_batch(items: list[tuple[BudgetPolicy, DraftTree]], fixed_rows: int, b
     alternatives = alternatives if alternatives is not None else [None] * len(items)
     probs = []
     for (policy, tree), was_drafted in zip(items, drafted, strict=True):
-        probs.append(policy.probabilities(tree)[tree.rank.cpu()].tolist() if len(tree) and tree.rank is not None else [])
+        probs.append(policy.probabilities(tree, was_drafted)[tree.rank.cpu()].tolist()
+                     if len(tree) and tree.rank is not None else [])
         if probs[-1] and was_drafted:
             policy.note_gains(probs[-1])
     # k-way merge by each request's next node (ties: the earlier request, then the earlier rank).

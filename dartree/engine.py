@@ -317,7 +317,8 @@ def _free_group(lanes: list[Lane]) -> None:
     trees = type(requests[0].proposer).free_proposals([r.proposer for r in requests], [r.bonus for r in requests],
                                                       [r.position for r in requests])
     for ln, tree in zip(lanes, trees):
-        ln.proposal, ln.free = tree, True
+        if len(tree):  # nothing offered: a plain step, with nothing to cut or walk
+            ln.proposal, ln.free = tree, True
 
 
 def _grow_group(lanes: list[Lane]) -> None:
@@ -506,7 +507,7 @@ def observe(state: RoundState) -> None:
         r, (accepted, next_bonus) = ln.request, ln.accepted
         try:
             commit(state.target, ln, accepted)
-            if r.policy is not None:
+            if r.policy is not None and ln.proposal is not None and not ln.free:  # the calibration learns the drafter's trees
                 r.policy.observe(ln.tree, accepted)
             if ln.proposal is not None and hasattr(r.proposer, "learn"):  # a proposer that learns from verification
                 r.proposer.learn(ln.tree, accepted)
@@ -657,7 +658,8 @@ def reference_round(target: Target, r: Request) -> None:
         if not r.drafted:
             r.drafted, r.decode_start = True, time.perf_counter()
     elif r.policy is not None and hasattr(r.proposer, "free_proposals"):  # as ``propose``: what comes without a call
-        (proposal,), free = type(r.proposer).free_proposals([r.proposer], [r.bonus], [r.position]), True
+        (offered,) = type(r.proposer).free_proposals([r.proposer], [r.bonus], [r.position])
+        proposal, free = (offered, True) if len(offered) else (None, False)
     built = r.proposer is None or proposal is not None
     if free:
         tree = proposal
@@ -678,7 +680,7 @@ def reference_round(target: Target, r: Request) -> None:
     accepted, bonus = verify_walk(tree, lambda rows: r.choose(target.lm_head(hidden[rows]), [paths[i] for i in rows],
                                                               [after[i] for i in rows]).tolist())
     _keep(target, r, start, tokens, tapped, accepted)
-    if r.policy is not None:
+    if r.policy is not None and proposal is not None and not free:
         r.policy.observe(tree, accepted)
     if proposal is not None and hasattr(r.proposer, "learn"):
         r.proposer.learn(tree, accepted)

@@ -132,6 +132,9 @@ class NgramProposer:
 
     def propose(self, bonus: int) -> DraftTree:
         match, continuations, own = self._continuations(bonus)
+        if not continuations:  # the text's suffix never occurred before: nothing to propose
+            self._features = {}
+            return DraftTree.empty()
         children: dict[tuple[int, ...], int] = {}  # path -> occurrences through it
         own_paths: set[tuple[int, ...]] = set()  # paths through the request's own text
         for i, c in enumerate(continuations):
