@@ -14,6 +14,11 @@ tokens a round over the best b nodes commits is then 1 + sum_{i<=b} p_i. Two dec
   tokens per ms over the plain step's. When it drops below 1, speculation is expected to lose to
   plain target steps: the policy takes plain steps, without a drafter call, and probes speculation
   again after ``probe_every`` steps (doubling after each lost probe, up to ``max_probe_every``).
+  A round without a drafter call is not always a plain step: a proposer may offer what costs no
+  call (``free_proposals``: the n-gram tree; a grammar's forced run), whose prefix the same choice
+  cuts on the tree's own probabilities. A drafted round is worth what it brings beyond that free
+  tree (``free_rate``), not beyond a plain step, so text the n-gram proposer or a grammar already
+  carries does not keep the drafter running.
 
 A third follows the prefixes chosen, **how deep the next draft reaches** (``draft_depth``): no deeper
 than twice the deepest node the recent rounds verified (at least ``min_draft_depth``), so the drafter

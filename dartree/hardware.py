@@ -32,6 +32,24 @@ def cpu_info() -> tuple[str, frozenset[str]]:
     return model, flags
 
 
+def cpu_generation() -> str:
+    """The CPU's family and model numbers ("family 26 model 2"; "" where unknown): guests report one
+    model name ("AMD EPYC") for generations whose kernels and costs differ (Zen 4 is family 25, Zen 5 26)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    found: dict[str, str] = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key in ("cpu family", "model") and key not in found:
+            found[key] = value.strip()
+        if len(found) == 2:
+            return f"family {found['cpu family']} model {found['model']}"
+    return ""
+
+
 def has_native_bf16() -> bool:
     return any(f in cpu_info()[1] for f in BF16_CPU_FLAGS)
 
@@ -76,8 +94,11 @@ def physical_cores() -> int:
 def describe_machine() -> str:
     """One line to record beside every timing: CPU model and the flags that decide kernel choice."""
     model, flags = cpu_info()
-    keep = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
-    return f"{model}; flags: {' '.join(keep) or 'none of avx2/avx512/amx'}; {physical_cores()} physical cores"
+    keep = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_tile", "amx_int8")
+            if f in flags]
+    generation = cpu_generation()
+    named = f"{model} ({generation})" if generation else model
+    return f"{named}; flags: {' '.join(keep) or 'none of avx2/avx512/amx'}; {physical_cores()} physical cores"
 
 
 _threads_chosen: int | None = None  # the count set_threads last chose (None: torch's own default still stands)

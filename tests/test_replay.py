@@ -74,10 +74,11 @@ def test_replayed_auto_budget_makes_the_decoders_choices(pipelines, family, prom
     assert output == got.token_ids
     assert lengths["auto"] == got.stats.acceptance_lengths
     assert policy.history == decoded.history
-    # Each history entry is a round: a plain step (-1, no draft) costs a one-row forward; a drafted round
-    # the drafter call, the tree build and a forward over the verified nodes + the root.
+    # Each history entry is a round: one without a drafter call (-1) costs a forward over what it verified
+    # anyway (the n-gram tree it was offered, if any, + the root); a drafted round the drafter call, the tree
+    # build and a forward over the verified nodes + the root.
     assert len(policy.history) == len(got.stats.tree_sizes)
-    expected = sum(cost.verify(1) if nodes < 0 else cost.round_ms(size)
+    expected = sum(cost.verify(size + 1) if nodes < 0 else cost.round_ms(size)
                    for nodes, size in zip(policy.history, got.stats.tree_sizes))
     assert modeled["auto"] == pytest.approx(expected)
 
