@@ -120,12 +120,13 @@ def _run_generate(args) -> int:
             + ", ".join(f"{stage} {s.stage_ms.get(stage, 0.0):.0f} ms" for stage in ROUND_STAGES) + ")",
             file=sys.stderr,
         )
-        plain = sum(1 for d in s.drafted if not d)
-        if settings.tree.auto and settings.method != "ar" and plain:
+        undrafted = [n for n, d in zip(s.tree_sizes, s.drafted) if not d]
+        if settings.tree.auto and settings.method != "ar" and undrafted:
             # Otherwise a mean acceptance near 1 reads as a broken drafter.
-            print(f"[budget auto] {plain} of {s.rounds} rounds made no proposer call (a plain step, or only what "
-                  "came free: the text's repeats, a grammar's forced tokens): on this machine's cost model "
-                  "(`dartree calibrate`) the call was expected to cost more than it brings; "
+            free = sum(1 for n in undrafted if n)
+            print(f"[budget auto] {len(undrafted)} of {s.rounds} rounds made no proposer call ({free} of them verified what "
+                  f"came free: the text's repeats, a grammar's forced tokens; {len(undrafted) - free} were plain steps): on "
+                  "this machine's cost model (`dartree calibrate`) the call was expected to cost more than it brings; "
                   "--budget 16 forces a tree every round", file=sys.stderr)
     return 0
 
