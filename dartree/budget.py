@@ -117,7 +117,7 @@ class BudgetPolicy:
         self.value, self.plain_left, self.lost_probes = 1.0, start, lost
 
     def skip(self) -> None:
-        """This round is a plain step although the policy would have drafted (``plan_drafting``
+        """This round makes no drafter call although the policy would have drafted (``plan_drafting``
         found that drafting cannot pay in this batch); its back-off is untouched."""
         self.history.append(-1)
 
@@ -142,7 +142,7 @@ class BudgetPolicy:
 
     # ------------------------------------------------------------- decisions
     def speculate(self) -> bool:
-        """Whether this round drafts at all (False: a plain target step)."""
+        """Whether this round calls the drafter (False: a plain target step, or only a free tree)."""
         if self.plain_left > 0:
             self.plain_left -= 1
             self.history.append(-1)
@@ -234,16 +234,18 @@ class BudgetPolicy:
             self.accepted[d] += 1.0 if (i + 1) in on_path else 0.0
 
 
-def free_rate(policy: BudgetPolicy, tree: DraftTree | None) -> tuple[float, float]:
+def free_rate(policy: BudgetPolicy, tree: DraftTree | None, calibrated: bool = False) -> tuple[float, float]:
     """What a round without a proposer call would have committed from ``tree`` (the n-gram tree and a
     grammar's forced run: ``free_proposals``), alone: the expected tokens beyond the root and the rate
-    (tokens per ms) of its best prefix, a plain step's 1 / t(1) where nothing beats it."""
+    (tokens per ms) of its best prefix, a plain step's 1 / t(1) where nothing beats it. ``calibrated``:
+    its nodes scaled by the drafter's calibration, as the drafted tree that holds them is (so that
+    drafting's worth compares the two on one scale)."""
     cost = policy.cost
     best_gain, best_rate = 0.0, 1.0 / cost.verify(1)
     if tree is None or not len(tree) or tree.rank is None:
         return best_gain, best_rate
     gain = 0.0
-    for b, p in enumerate(policy.probabilities(tree, calibrated=False)[tree.rank.cpu()].tolist(), start=1):
+    for b, p in enumerate(policy.probabilities(tree, calibrated)[tree.rank.cpu()].tolist(), start=1):
         gain += p
         rate = (1.0 + gain) / cost.verify(b + 1)
         if rate > best_rate:
@@ -311,13 +313,14 @@ def choose_batch(items: list[tuple[BudgetPolicy, DraftTree]], fixed_rows: int, b
     batch = max(int(round(base_tokens)), 1)
     probe_scale = max(1.0, batch * cost.verify(1) / cost.verify(batch))
     extra_ms = ms[m] - ms[0]
+    calls = max(sum(drafted), 1)  # the requests that share this round's drafter call and tree builds
     for i, n in enumerate(counts):
         mine = 1.0 + list(accumulate(probs[i][:n]))[-1] if n else 1.0
-        free_gain, alone_rate = free_rate(items[i][0], alternatives[i])
+        free_gain, alone_rate = free_rate(items[i][0], alternatives[i], calibrated=True)
         if len(items) == 1 and fixed_rows == 1:
             worth = mine / cost.round_ms(n) / alone_rate
         else:
-            spent = cost.draft_share(len(items)) + cost.tree_share(len(items)) + (extra_ms * n / m if m else 0.0)
+            spent = cost.draft_share(calls) + cost.tree_share(calls) + (extra_ms * n / m if m else 0.0)
             worth = (mine - 1.0 - free_gain) / spent / plain_rate if spent > 0 else 1.0
         choices.append(BudgetChoice(n, mine, ms[m], worth, probe_scale))
     return choices

@@ -64,7 +64,7 @@ class GenerationStats:
     decode_seconds: float = 0.0  # after prefill and the first draft call, as in the published harnesses
     stage_ms: dict[str, float] = field(default_factory=dict)  # ms by stage: "prefill" and ROUND_STAGES
     tree_sizes: list[int] = field(default_factory=list)
-    drafted: list[bool] = field(default_factory=list)  # per round: whether the drafter was called (False: a plain step)
+    drafted: list[bool] = field(default_factory=list)  # per round: whether the proposer was called (False: a plain step or a free tree)
     finish_reason: str | None = None
 
     @property
@@ -341,8 +341,8 @@ def grow(state: RoundState) -> None:
                 ln.fail(exc)
     building = [ln for ln in building if not ln.request.finished]
     for ln in building:
-        if ln.free:  # a finished ranked tree: the budget's cut takes its prefix
-            ln.tree = ln.proposal
+        if ln.free:  # a finished ranked tree (built on the CPU): the budget's cut takes its prefix
+            ln.tree = ln.proposal.to(state.target.device)
     if any(not ln.free for ln in building):
         _together([ln for ln in building if not ln.free], _grow_group)
     # structured output: the grammar prunes the tree and, for a method that speculates (not the plain
@@ -356,7 +356,10 @@ def grow(state: RoundState) -> None:
                 ln.fail(exc)
     for ln in building:
         if not ln.request.finished:
-            ln.alternative = _alternative(ln.request, ln.proposal, ln.free, state.target.device)
+            try:
+                ln.alternative = _alternative(ln.request, ln.proposal, ln.free, state.target.device)
+            except Exception as exc:  # noqa: BLE001 - this request ends with its error; the others go on
+                ln.fail(exc)
     state.clock.lap("tree")
     priced = [ln for ln in building if ln.request.policy is not None and ln.proposal is not None and not ln.free]
     if state.costs is not None and priced and len(priced) == len(building):  # the model prices budgeted builds
@@ -654,6 +657,8 @@ def reference_round(target: Target, r: Request) -> None:
         return
     proposal, free, tree = None, False, DraftTree.empty(target.device)
     if r.proposer is not None and (r.policy is None or r.policy.speculate()):
+        if hasattr(r.proposer, "depth_limit"):  # as ``propose``: as deep as the budget looks
+            r.proposer.depth_limit = r.policy.draft_depth() if r.policy is not None else None
         (proposal,) = type(r.proposer).propose_batch([r.proposer], [r.bonus], [r.position])
         if not r.drafted:
             r.drafted, r.decode_start = True, time.perf_counter()
@@ -662,7 +667,7 @@ def reference_round(target: Target, r: Request) -> None:
         proposal, free = (offered, True) if len(offered) else (None, False)
     built = r.proposer is None or proposal is not None
     if free:
-        tree = proposal
+        tree = proposal.to(target.device)
     elif built:
         if r.constraint is not None and proposal is not None:  # as ``grow``: the draft steered to the grammar
             proposal = r.constraint.steer(proposal)

@@ -206,8 +206,8 @@ class Constraint:
         return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
     def forced(self) -> list[int]:
-        """The tokens the grammar forces after the committed text (each the only one allowed), kept until
-        the next commit."""
+        """The tokens the grammar forces after the committed text (llguidance's fast-forward tokens: the
+        bytes are certain; another tokenization of them may be allowed too), kept until the next commit."""
         if self._forced is None:
             self._forced = list(self.matcher.compute_ff_tokens())
         return self._forced
@@ -241,12 +241,12 @@ class Constraint:
                 if forced:
                     self.matcher.consume_tokens(forced)
                 try:
-                    allowed = self._allowed()
+                    allowed = self._allowed().to(base.device)  # the grammar's mask is built on the CPU
                 finally:
                     if forced:
                         self.matcher.rollback(len(forced))
                 in_target = ids < allowed.numel()
-                allowed = in_target & allowed[ids.clamp(max=allowed.numel() - 1)].to(base.device)
+                allowed = in_target & allowed[ids.clamp(max=allowed.numel() - 1)]
                 if bool(allowed.any()) and not bool(allowed.all()):
                     steered.append(allowed)
         if not steered:

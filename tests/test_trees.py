@@ -222,3 +222,17 @@ def test_dartree_builds_many_requests_as_it_builds_each_alone(kind, seeds, budge
         assert torch.equal(tree.tokens, alone.tokens) and torch.equal(tree.parents, alone.parents)
         assert torch.equal(tree.depths, alone.depths) and torch.equal(tree.rank, alone.rank)
         torch.testing.assert_close(tree.log_probs, alone.log_probs, rtol=1e-12, atol=1e-12)
+
+
+def test_a_tree_moves_to_the_targets_device_whole():
+    """``DraftTree.to``: the same tree where it already is; elsewhere every tensor moves, scores and rank
+    included (a proposer's tree is built on the CPU; a target on a GPU verifies it there)."""
+    from dartree.trees import DraftTree
+
+    tree = DraftTree.from_lists([5, 6, 7], [0, 1, 1], [1, 2, 2])
+    tree.log_probs, tree.rank = torch.tensor([-0.1, -0.5, -0.3], dtype=torch.float64), torch.tensor([0, 2, 1])
+    assert tree.to("cpu") is tree
+    moved = tree.to("meta")
+    assert all(t.device.type == "meta" for t in (moved.tokens, moved.parents, moved.depths, moved.log_probs, moved.rank))
+    assert moved.log_probs.dtype == torch.float64 and len(moved) == 3
+    assert DraftTree.empty().to("meta").log_probs is None

@@ -134,7 +134,9 @@ class NgramProposer:
         match, continuations, own = self._continuations(bonus)
         if not continuations:  # the text's suffix never occurred before: nothing to propose
             self._features = {}
-            return DraftTree.empty()
+            tree = DraftTree.empty()
+            tree.log_probs, tree.rank = torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.long)
+            return tree
         children: dict[tuple[int, ...], int] = {}  # path -> occurrences through it
         own_paths: set[tuple[int, ...]] = set()  # paths through the request's own text
         for i, c in enumerate(continuations):

@@ -20,6 +20,13 @@ class DraftTree:
     log_probs: torch.Tensor | None = None  # [N]
     rank: torch.Tensor | None = None  # [N] node indices
 
+    def to(self, device) -> "DraftTree":
+        """The same tree on ``device`` (a proposer's tree is built on the CPU; the target may be elsewhere)."""
+        if self.tokens.device == torch.device(device):
+            return self
+        move = (lambda t: None if t is None else t.to(device))
+        return DraftTree(move(self.tokens), move(self.parents), move(self.depths), move(self.log_probs), move(self.rank))
+
     def prefix(self, budget: int) -> "DraftTree":
         """The tree of the ``budget`` best-ranked nodes (parents always rank before their children)."""
         if self.rank is None:
