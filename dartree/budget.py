@@ -215,7 +215,7 @@ class BudgetPolicy:
         else:
             self.lost_probes = 0
         self.history.append(choice.budget)
-        kept = tree.prefix(choice.budget) if choice.budget else DraftTree.empty(tree.tokens.device)
+        kept = _kept(tree, choice.budget)
         self.depth_history.append(int(kept.depths.max()) if len(kept) else 0)
         return kept
 
@@ -341,8 +341,12 @@ def cut_batch(items: list[tuple[BudgetPolicy, DraftTree]], fixed_rows: int, base
     policy updated as ``BudgetPolicy.cut`` updates it (``drafted``, ``alternatives``: as ``choose_batch``)."""
     drafted = drafted if drafted is not None else [True] * len(items)
     choices = choose_batch(items, fixed_rows, base_tokens, prompt_rows, drafted, alternatives)
-    return [policy.apply(tree, c) if d else tree.prefix(c.budget) if c.budget else DraftTree.empty(tree.tokens.device)
-            for (policy, tree), c, d in zip(items, choices, drafted)]
+    return [policy.apply(tree, c) if d else _kept(tree, c.budget) for (policy, tree), c, d in zip(items, choices, drafted)]
+
+
+def _kept(tree: DraftTree, budget: int) -> DraftTree:
+    """The ranked tree's best ``budget`` nodes (none: the root alone, a plain step)."""
+    return tree.prefix(budget) if budget else DraftTree.empty(tree.tokens.device)
 
 
 # The most tree nodes a batch's drafting plan considers in all (the calibration times forwards up to 128 rows).

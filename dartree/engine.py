@@ -219,6 +219,11 @@ class Lane:
     after: list[int] = field(default_factory=list)  # row i chooses the token at position after[i]
     accepted: tuple[list[int], int] | None = None  # the walk's result: accepted rows, next bonus
 
+    @property
+    def drafted(self) -> bool:
+        """Its proposer was called this round (not a plain step, not only a free tree)."""
+        return self.proposal is not None and not self.free
+
     def fail(self, exc: BaseException) -> None:
         """This request ends with its error; the others go on."""
         self.request.error = exc
@@ -289,9 +294,8 @@ def propose(state: RoundState) -> None:
     """The proposers' calls: a request's first call alone (it reads its whole prompt; batched, it
     would pad the others to its length), then ONE call per kind of proposer for the rest."""
     speculating = [ln for ln in state.live(decoding=True) if ln.speculates]
-    for ln in speculating:  # as deep as the budget looks (budget "auto"); fixed settings draw every depth
-        if hasattr(ln.request.proposer, "depth_limit"):
-            ln.request.proposer.depth_limit = ln.request.policy.draft_depth() if ln.request.policy is not None else None
+    for ln in speculating:
+        _limit_depth(ln.request)
     for ln in speculating:
         if not ln.request.drafted:
             _together([ln], _propose_group)
@@ -310,6 +314,12 @@ def propose(state: RoundState) -> None:
         _together([ln for ln in offering if ln.request.proposer.batch_key == kind], _free_group)
     if offering:
         state.clock.lap("draft")
+
+
+def _limit_depth(r: Request) -> None:
+    """The proposer drafts as deep as the request's budget looks (budget "auto"); fixed settings draw every depth."""
+    if hasattr(r.proposer, "depth_limit"):
+        r.proposer.depth_limit = r.policy.draft_depth() if r.policy is not None else None
 
 
 def _free_group(lanes: list[Lane]) -> None:
@@ -343,8 +353,9 @@ def grow(state: RoundState) -> None:
     for ln in building:
         if ln.free:  # a finished ranked tree (built on the CPU): the budget's cut takes its prefix
             ln.tree = ln.proposal.to(state.target.device)
-    if any(not ln.free for ln in building):
-        _together([ln for ln in building if not ln.free], _grow_group)
+    proposed = [ln for ln in building if not ln.free]
+    if proposed:
+        _together(proposed, _grow_group)
     # structured output: the grammar prunes the tree and, for a method that speculates (not the plain
     # ``ar`` baseline), adds the tokens it forces
     for ln in state.live(decoding=True):
@@ -361,7 +372,7 @@ def grow(state: RoundState) -> None:
             except Exception as exc:  # noqa: BLE001 - this request ends with its error; the others go on
                 ln.fail(exc)
     state.clock.lap("tree")
-    priced = [ln for ln in building if ln.request.policy is not None and ln.proposal is not None and not ln.free]
+    priced = [ln for ln in building if ln.request.policy is not None and ln.drafted]
     if state.costs is not None and priced and len(priced) == len(building):  # the model prices budgeted builds
         state.costs.observe("tree", state.costs.calibrated_tree(len(priced)), state.clock.laps["tree"])
 
@@ -387,7 +398,7 @@ def cut(state: RoundState) -> None:
     fixed_rows = len(decoding) + state.prompt_rows + sum(len(ln.tree) for ln in decoding
                                                          if ln.request.policy is None and ln.tree is not None)
     trees = cut_batch([(ln.request.policy, ln.tree) for ln in ranked], fixed_rows, float(len(decoding)), state.prompt_rows,
-                      [ln.proposal is not None and not ln.free for ln in ranked], [ln.alternative for ln in ranked])
+                      [ln.drafted for ln in ranked], [ln.alternative for ln in ranked])
     for ln, tree in zip(ranked, trees):
         ln.tree = tree
     state.clock.lap("tree")
@@ -510,13 +521,13 @@ def observe(state: RoundState) -> None:
         r, (accepted, next_bonus) = ln.request, ln.accepted
         try:
             commit(state.target, ln, accepted)
-            if r.policy is not None and ln.proposal is not None and not ln.free:  # the calibration learns the drafter's trees
+            if r.policy is not None and ln.drafted:  # the calibration learns the drafter's trees
                 r.policy.observe(ln.tree, accepted)
             if ln.proposal is not None and hasattr(r.proposer, "learn"):  # a proposer that learns from verification
                 r.proposer.learn(ln.tree, accepted)
             r.stats.acceptance_lengths.append(len(accepted))
             r.stats.tree_sizes.append(len(ln.tree))
-            r.stats.drafted.append(ln.proposal is not None and not ln.free)
+            r.stats.drafted.append(ln.drafted)
             r.bonus = next_bonus
             r.emit(ln.part.tokens[accepted[1:]].tolist() + [next_bonus])
         except Exception as exc:  # noqa: BLE001 - this request ends with its error; the others go on
@@ -657,8 +668,7 @@ def reference_round(target: Target, r: Request) -> None:
         return
     proposal, free, tree = None, False, DraftTree.empty(target.device)
     if r.proposer is not None and (r.policy is None or r.policy.speculate()):
-        if hasattr(r.proposer, "depth_limit"):  # as ``propose``: as deep as the budget looks
-            r.proposer.depth_limit = r.policy.draft_depth() if r.policy is not None else None
+        _limit_depth(r)  # as ``propose``
         (proposal,) = type(r.proposer).propose_batch([r.proposer], [r.bonus], [r.position])
         if not r.drafted:
             r.drafted, r.decode_start = True, time.perf_counter()
@@ -675,9 +685,9 @@ def reference_round(target: Target, r: Request) -> None:
         (tree,) = build_trees([r.builder], [proposal], getattr(r.proposer, "head", None), [budget])
     if r.constraint is not None:  # as ``grow``: pruned, and the forced run added
         tree = r.constraint.shape(tree, force=r.proposer is not None, beta=r.builder.depth_bonus)
+    drafted = proposal is not None and not free  # as ``Lane.drafted``
     if r.policy is not None and (built or r.constraint is not None):
-        (tree,) = cut_batch([(r.policy, tree)], 1, 1.0, 0, [proposal is not None and not free],
-                            [_alternative(r, proposal, free, target.device)])
+        (tree,) = cut_batch([(r.policy, tree)], 1, 1.0, 0, [drafted], [_alternative(r, proposal, free, target.device)])
     tokens, depths = tree.rows(r.bonus)
     ((hidden, tapped),) = target.forward_parts([Part(r.slot, tokens, depths, ancestor_matrix(tree))])
     after = (r.position + 1 + depths).tolist()
@@ -685,13 +695,13 @@ def reference_round(target: Target, r: Request) -> None:
     accepted, bonus = verify_walk(tree, lambda rows: r.choose(target.lm_head(hidden[rows]), [paths[i] for i in rows],
                                                               [after[i] for i in rows]).tolist())
     _keep(target, r, start, tokens, tapped, accepted)
-    if r.policy is not None and proposal is not None and not free:
+    if r.policy is not None and drafted:
         r.policy.observe(tree, accepted)
     if proposal is not None and hasattr(r.proposer, "learn"):
         r.proposer.learn(tree, accepted)
     r.stats.acceptance_lengths.append(len(accepted))
     r.stats.tree_sizes.append(len(tree))
-    r.stats.drafted.append(proposal is not None and not free)
+    r.stats.drafted.append(drafted)
     r.bonus = bonus
     r.emit(tokens[accepted[1:]].tolist() + [bonus])
 

@@ -15,39 +15,34 @@ BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")  # native bf16 dot products (Intel 
 
 
 @functools.lru_cache(maxsize=1)
-def cpu_info() -> tuple[str, frozenset[str]]:
-    """(model name, flags) from /proc/cpuinfo; ("unknown", {}) where it cannot be read."""
+def _cpuinfo_fields() -> dict[str, str] | None:
+    """The first CPU's fields in /proc/cpuinfo (each key's first value); None where it cannot be read."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return platform.processor() or "unknown", frozenset()
-    model, flags = "unknown", frozenset()
+        return None
+    fields: dict[str, str] = {}
     for line in text.splitlines():
         key, _, value = line.partition(":")
-        key = key.strip()
-        if key == "model name" and model == "unknown":
-            model = value.strip()
-        elif key == "flags" and not flags:
-            flags = frozenset(value.split())
-    return model, flags
+        fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def cpu_info() -> tuple[str, frozenset[str]]:
+    """(model name, flags) from /proc/cpuinfo; ("unknown", {}) where it cannot be read."""
+    fields = _cpuinfo_fields()
+    if fields is None:
+        return platform.processor() or "unknown", frozenset()
+    return fields.get("model name") or "unknown", frozenset(fields.get("flags", "").split())
 
 
 def cpu_generation() -> str:
     """The CPU's family and model numbers ("family 26 model 2"; "" where unknown): guests report one
     model name ("AMD EPYC") for generations whose kernels and costs differ (Zen 4 is family 25, Zen 5 26)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
+    fields = _cpuinfo_fields() or {}
+    if "cpu family" not in fields or "model" not in fields:
         return ""
-    found: dict[str, str] = {}
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key in ("cpu family", "model") and key not in found:
-            found[key] = value.strip()
-        if len(found) == 2:
-            return f"family {found['cpu family']} model {found['model']}"
-    return ""
+    return f"family {fields['cpu family']} model {fields['model']}"
 
 
 def has_native_bf16() -> bool:

@@ -226,9 +226,7 @@ class Constraint:
         if base is None or not base.shape[0]:
             return proposal
         depths, width = base.shape
-        ids = torch.arange(width, device=base.device)
-        if proposal.d2t is not None:
-            ids = ids + proposal.d2t
+        ids = proposal.to_target(torch.arange(width, device=base.device))  # each draft id's target id
         steered: list[torch.Tensor] = []  # per depth from the first: the draft ids the grammar allows there
         forced = self.forced()
         for token in forced[:depths]:
