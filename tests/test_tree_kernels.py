@@ -226,3 +226,22 @@ def test_ddtree_builders_take_the_compiled_heap(monkeypatch):
     monkeypatch.setattr(common, "best_first_marginals", lambda *a: pytest.fail("fell back to the Python heap"))
     for method in ("ddtree", "domino-ddtree"):
         assert len(make_builder(method, TreeSettings(budget=8)).build_tree(draft, head)) == 8
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 20), inner=st.integers(1, 40), cols=st.integers(1, 80), accumulate=st.booleans(),
+       seed=st.integers(0, 10_000))
+def test_float32_row_products_are_the_in_order_sum_bit_for_bit(rows, inner, cols, accumulate, seed):
+    """The head's float32 products (AVX-512 / AVX2 register tiles, or the plain loop, whichever this build
+    took) give the bits of y + x[:, 0] w[0] + x[:, 1] w[1] + ... summed in that order, each a product then a
+    sum, for any row count and any column count (the tiles' remainders included)."""
+    import numpy
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, inner, generator=gen)
+    wt = torch.randn(inner, cols, generator=gen)
+    y = torch.randn(rows, cols, generator=gen)
+    expected = y.numpy().copy() if accumulate else numpy.zeros((rows, cols), dtype=numpy.float32)
+    for i in range(inner):  # float32 numpy: each product and each sum correctly rounded, no fused multiply-add
+        expected = expected + x.numpy()[:, i:i + 1] * wt.numpy()[i:i + 1, :]
+    grow_kernel.load().rows_times_f32(x, wt, y, accumulate)
+    assert numpy.array_equal(y.numpy().view(numpy.int32), expected.view(numpy.int32))

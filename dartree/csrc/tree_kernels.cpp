@@ -16,7 +16,7 @@
 // (cumulative log-probabilities), in placement order.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #include <algorithm>
@@ -92,6 +92,58 @@ inline void rows_times(const float* x, int64_t F, int64_t I, const float* wt, in
       const float a = x[f * I + i];
       const float* w = wt + i * J;
       for (int64_t j = J32; j < J; ++j) out[j] += a * w[j];
+    }
+  }
+}
+#elif defined(__AVX2__)
+// The same for AVX2's 16 vector registers: 16 columns (two 8-lane halves) of up to 6 rows, 12 accumulators,
+// the same sums in the same order as rows_times' (a product then a sum), so the same bits. Measured on an AMD
+// EPYC Zen 3 (AVX2 only), the Domino head's GRU product (12 x 256 x 768) is about twice as fast as
+// rows_times' loop, which stores y back for every i.
+inline void rows_times(const float* x, int64_t F, int64_t I, const float* wt, int64_t J, float* y, bool accumulate) {
+  constexpr int FB = 6;
+  const int64_t J16 = J / 16 * 16;
+  for (int64_t f0 = 0; f0 < F; f0 += FB) {
+    const int nf = (int)std::min<int64_t>(FB, F - f0);
+    for (int64_t j0 = 0; j0 < J16; j0 += 16) {
+      __m256 acc[FB][2];
+#pragma GCC unroll 6
+      for (int f = 0; f < FB; ++f) {
+        if (f < nf) {
+          float* out = y + (f0 + f) * J + j0;
+          acc[f][0] = accumulate ? _mm256_loadu_ps(out) : _mm256_setzero_ps();
+          acc[f][1] = accumulate ? _mm256_loadu_ps(out + 8) : _mm256_setzero_ps();
+        }
+      }
+      for (int64_t i = 0; i < I; ++i) {
+        const __m256 w0 = _mm256_loadu_ps(wt + i * J + j0), w1 = _mm256_loadu_ps(wt + i * J + j0 + 8);
+#pragma GCC unroll 6
+        for (int f = 0; f < FB; ++f) {
+          if (f < nf) {
+            const __m256 a = _mm256_broadcast_ss(x + (f0 + f) * I + i);
+            acc[f][0] = _mm256_add_ps(acc[f][0], _mm256_mul_ps(a, w0));
+            acc[f][1] = _mm256_add_ps(acc[f][1], _mm256_mul_ps(a, w1));
+          }
+        }
+      }
+#pragma GCC unroll 6
+      for (int f = 0; f < FB; ++f) {
+        if (f < nf) {
+          float* out = y + (f0 + f) * J + j0;
+          _mm256_storeu_ps(out, acc[f][0]);
+          _mm256_storeu_ps(out + 8, acc[f][1]);
+        }
+      }
+    }
+  }
+  if (J16 == J) return;
+  for (int64_t f = 0; f < F; ++f) {  // the last J % 16 columns as rows_times does them
+    float* out = y + f * J;
+    if (!accumulate) std::fill(out + J16, out + J, 0.0f);
+    for (int64_t i = 0; i < I; ++i) {
+      const float a = x[f * I + i];
+      const float* w = wt + i * J;
+      for (int64_t j = J16; j < J; ++j) out[j] += a * w[j];
     }
   }
 }
@@ -429,7 +481,18 @@ std::vector<torch::Tensor> best_first(torch::Tensor top_lp, torch::Tensor top_id
 
 }  // namespace
 
+// rows_times on float32 tensors, for the tests: x [F, I], wt [I, J], y [F, J] updated in place (the path this build
+// takes: AVX-512, AVX2 or the plain loop; each must give the bits of the sum over i in order, a product then a sum)
+void rows_times_f32(torch::Tensor x, torch::Tensor wt, torch::Tensor y, bool accumulate) {
+  TORCH_CHECK(x.dim() == 2 && wt.dim() == 2 && y.dim() == 2 && x.size(1) == wt.size(0) && y.size(0) == x.size(0) &&
+              y.size(1) == wt.size(1), "rows_times_f32: x [F, I], wt [I, J], y [F, J]");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && wt.scalar_type() == torch::kFloat32 && y.scalar_type() == torch::kFloat32 &&
+              x.is_contiguous() && wt.is_contiguous() && y.is_contiguous(), "rows_times_f32: contiguous float32");
+  rows_times(x.data_ptr<float>(), x.size(0), x.size(1), wt.data_ptr<float>(), wt.size(1), y.data_ptr<float>(), accumulate);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rows_times_f32", &rows_times_f32, "the head's float32 row products (for the tests)");
   m.def("grow_supertrees", &grow_supertrees, "requests' DARTree supertrees, grown depth by depth with the head's "
         "corrections, in one call with the requests over the threads",
         py::call_guard<py::gil_scoped_release>());
