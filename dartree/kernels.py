@@ -19,6 +19,9 @@ from .default_model import cache_root
 from .hardware import cpu_info
 
 SOURCE = Path(__file__).parent / "csrc" / "lean_kernels.cpp"
+# the whole forward in one call (targets/lean.py ``forward``), compiled from both kernel sources
+FORWARD_SOURCE = SOURCE.parent / "forward_kernels.cpp"
+INCLUDES = {FORWARD_SOURCE.name: ("lean_kernels.cpp", "quant_kernels.cpp")}  # what a source #includes: part of its build key
 # Only correctly rounded operations are written in the source (explicit fma), so no contraction:
 # the compiler may not fuse a multiply and an add on its own in one code path and not in another.
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
@@ -30,9 +33,11 @@ LDFLAGS = ["-fopenmp"]
 
 
 def extension_dir(source: Path, folder: str, extra_cflags: tuple[str, ...] = ()) -> Path:
-    """Where ``source`` is built for this CPU: keyed by the source, torch, the flags and the CPU."""
+    """Where ``source`` is built for this CPU: keyed by the source (and the sources it includes), torch,
+    the flags and the CPU."""
     model, flags = cpu_info()
-    key = hashlib.sha256("\n".join([source.read_text(), torch.__version__, " ".join(CFLAGS + list(extra_cflags) + LDFLAGS),
+    texts = [source.read_text()] + [(source.parent / name).read_text() for name in INCLUDES.get(source.name, ())]
+    key = hashlib.sha256("\n".join(texts + [torch.__version__, " ".join(CFLAGS + list(extra_cflags) + LDFLAGS),
                                     model, " ".join(sorted(flags))]).encode()).hexdigest()[:16]
     return cache_root() / folder / key
 
@@ -51,7 +56,7 @@ def build_extension(source: Path, folder: str, module: str, what: str, extra_cfl
         print(f"dartree: compiling {what} for this CPU into {out} (once, about a minute)", file=sys.stderr)
     name = module + (f"_{out.name}" if extra_cflags else "")
     return load_extension(name=name, sources=[str(source)], extra_cflags=CFLAGS + list(extra_cflags),
-                          extra_ldflags=LDFLAGS, build_directory=str(out), verbose=verbose)
+                          extra_ldflags=list(LDFLAGS), build_directory=str(out), verbose=verbose)  # a copy: torch appends to it
 
 
 def build_dir(extra_cflags: tuple[str, ...] = ()) -> Path:
@@ -77,3 +82,16 @@ def available() -> bool:
               file=sys.stderr)
         return False
     return True
+
+
+@functools.lru_cache(maxsize=None)
+def load_forward(verbose: bool = False, extra_cflags: tuple[str, ...] = ()):
+    """The whole-forward module (``forward_kernels.cpp``: the lean forward's layer loop in one call, on the
+    same kernels), or None where it does not build (the forward then loops over the layers in Python)."""
+    try:
+        return build_extension(FORWARD_SOURCE, "forward_kernels", "dartree_forward_kernels",
+                               "the lean forward's layer loop", extra_cflags, verbose)
+    except Exception as exc:  # noqa: BLE001 - the Python loop runs the same kernels
+        print(f"dartree: the compiled layer loop is unavailable here ({type(exc).__name__}); the forward loops in Python",
+              file=sys.stderr)
+        return None

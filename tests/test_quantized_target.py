@@ -18,6 +18,7 @@ from dartree.errors import DartreeError
 from dartree.loading import load_drafter, load_target
 from dartree.pipeline import Pipeline
 from dartree.targets import LeanTarget, forward_tree, prefill
+from dartree.targets.lean import Rows
 from dartree.targets.quantized import QuantizedWeights
 from dartree.trees import available_methods
 
@@ -208,3 +209,60 @@ def test_bad_weights_settings_and_files_give_one_clear_error(tmp_path, model_dir
                                          num_layers=2, seed=99), torch.float32, "cpu")
     with pytest.raises(DartreeError, match="does not hold this model's weights"):
         QuantizedWeights(other, "file", path)
+
+
+def _random_batch(data, pasts: list[int], vocab: int):
+    """Rows of requests (slot s after its committed ``pasts[s]`` tokens): each a random tree (a row sees
+    itself and some earlier rows of its request), as the round's verification forward lays them out."""
+    parts = []
+    for s, past in enumerate(pasts):
+        n = data.draw(st.integers(1, 9))
+        tokens = torch.tensor(data.draw(st.lists(st.integers(0, vocab - 1), min_size=n, max_size=n)))
+        parents = [data.draw(st.integers(-1, i - 1)) for i in range(n)]  # -1: a root row
+        vis = torch.eye(n, dtype=torch.bool)
+        depths = torch.zeros(n, dtype=torch.long)
+        for i, p in enumerate(parents):
+            if p >= 0:
+                vis[i] |= vis[p]
+                depths[i] = depths[p] + 1
+        parts.append(Rows.one_request(tokens, s, past, depths, vis))
+    width = max(p.visible.shape[1] for p in parts)
+    for p in parts:  # one width for the batch
+        p.visible = torch.nn.functional.pad(p.visible, (0, width - p.visible.shape[1])).contiguous()
+    return [p.tokens.numel() for p in parts], Rows(*(torch.cat([getattr(p, f) for p in parts])
+                                                     for f in ("tokens", "slots", "positions", "cache_positions", "past", "visible")))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), which=st.sampled_from(["file", "q8_0", "float32", "float64"]))
+def test_the_compiled_layer_loop_gives_the_python_loops_bits(file_pipe, q8_pipe, model_dirs, data, which):
+    """``lean.forward`` runs its layer loop in one compiled call (forward_kernels.cpp); the loop written in
+    Python over the same kernels is its reference: the same states, tapped states and K/V store, bit for
+    bit, for quantised and float weights, random batches of trees over random contexts."""
+    from dartree.targets.lean import KVStore, LeanWeights, forward
+    if which in ("file", "q8_0"):
+        weights = (file_pipe if which == "file" else q8_pipe).target.weights
+    else:
+        model = load_target(model_dirs[("qwen3", "target")], getattr(torch, which), "cpu")
+        weights = LeanWeights(model)
+    assert weights.compiled_forward() is not None
+    vocab = weights.model.config.vocab_size
+    slots = data.draw(st.integers(1, 3))
+    tapped = sorted(data.draw(st.sets(st.integers(0, len(weights.layers) - 1), max_size=2)))
+    stores = [KVStore(weights, slots=slots) for _ in range(2)]
+    pasts = [data.draw(st.integers(1, 20)) for _ in range(slots)]
+    for s, past in enumerate(pasts):  # the same committed contexts in both stores
+        context = torch.tensor(data.draw(st.lists(st.integers(0, vocab - 1), min_size=past, max_size=past)))
+        for store in stores:
+            forward(weights, store, Rows.one_request(context, s, 0, torch.arange(past), torch.ones(past, past, dtype=torch.bool).tril()),
+                    compiled=False)
+    sizes, rows = _random_batch(data, pasts, vocab)
+    python = forward(weights, stores[0], rows, tapped, compiled=False)
+    compiled = forward(weights, stores[1], rows, tapped)
+    assert torch.equal(python[0], compiled[0])
+    assert (python[1] is None) == (compiled[1] is None) == (not tapped)
+    if tapped:
+        assert torch.equal(python[1], compiled[1])
+    for s, (past, n) in enumerate(zip(pasts, sizes)):  # the K/V written (the rest of the store is never read)
+        for a, b in ((stores[0].k, stores[1].k), (stores[0].v, stores[1].v)):
+            assert torch.equal(a[:, s, :, :past + n], b[:, s, :, :past + n])

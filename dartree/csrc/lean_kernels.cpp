@@ -861,6 +861,7 @@ bool built_with_openmp() {
 #endif
 }
 
+#if !defined(DARTREE_NO_MODULE)  // forward_kernels.cpp compiles this file into its own module
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Each kernel lets go of the GIL while it computes (as torch's own operators do), so that another
   // Python thread (the server's HTTP loop streaming tokens) runs during a forward rather than
@@ -876,3 +877,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("swiglu", &swiglu, "silu(gate) * up", release());
   m.def("built_with_openmp", &built_with_openmp, "whether the kernels split their work over torch's threads");
 }
+#endif

@@ -629,6 +629,7 @@ std::string path() {
 #endif
 }
 
+#if !defined(DARTREE_NO_MODULE)  // forward_kernels.cpp compiles this file into its own module
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = py::call_guard<py::gil_scoped_release>;
   m.def("pack", &pack, "GGUF blocks [N, bytes] of a Q4_0/Q4_1/Q8_0/Q4_K/Q6_K tensor -> the packed weight", py::arg("raw"),
@@ -639,3 +640,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("residual") = py::none(), release());
   m.def("path", &path, "the integer path this build took");
 }
+#endif

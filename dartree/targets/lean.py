@@ -143,6 +143,30 @@ class LeanWeights:
         w = float_weight().detach()
         return self._ext.pack_weight(w) if self.products == "exact" else w.to(torch.bfloat16).contiguous()
 
+    def compiled_forward(self):
+        """The layer loop bound to these weights in one compiled call (``kernels.load_forward``; made once),
+        or None where it does not run: bfloat16 products, or no compiled module."""
+        if "_bound" not in self.__dict__:
+            self._bound = None
+            quantized = self.products in ("file", "q8_0")
+            module = kernels.load_forward() if quantized or self.products == "exact" else None
+            if module is not None:
+                def packed(weight):  # a quantised weight's records and size, or a float32 packed block and its size
+                    return (weight.packed, weight.shape[0]) if quantized else (weight, None)
+                sizes = {"qkv": (self.heads + 2 * self.kv_heads) * self.head_dim, "o": self.hidden,
+                         "gate_up": 2 * self.intermediate, "down": self.hidden}
+                args = {}
+                for role, size in sizes.items():
+                    parts = [packed(getattr(layer, role)) for layer in self.layers]
+                    args[role] = [p for p, _ in parts]
+                    args[role + "_n"] = [n if n is not None else size for _, n in parts]
+                self._bound = module.Forward(args["qkv"], args["o"], args["gate_up"], args["down"], args["qkv_n"], args["o_n"],
+                                             args["gate_up_n"], args["down_n"], [l.input_norm for l in self.layers],
+                                             [l.post_norm for l in self.layers], [l.q_norm for l in self.layers],
+                                             [l.k_norm for l in self.layers], self.final_norm, quantized, self.heads,
+                                             self.kv_heads, self.eps, self.scale)
+        return self._bound
+
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Hugging Face's own cos/sin [n, head_dim] at ``positions`` (tables grown by doubling)."""
         # Requests are checked against the context before they run (``check_context_length``); the cost
@@ -244,14 +268,21 @@ class Rows:
 
 
 @torch.no_grad()
-def forward(weights: LeanWeights, store: KVStore, rows: Rows, tapped_layers: list[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+def forward(weights: LeanWeights, store: KVStore, rows: Rows, tapped_layers: list[int] = (),
+            compiled: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One decoder pass over ``rows``: their K/V written into the store at their cache positions,
     final-normed states [n, H] returned with the tapped layers' outputs [n, len(tapped_layers) * H] (None
-    without tapped_layers). Plain functions over prepared weights: a few compiled calls per layer."""
+    without tapped_layers). Plain functions over prepared weights: a few compiled calls per layer, run by
+    one compiled call (``LeanWeights.compiled_forward``) where it is built; ``compiled=False`` loops here
+    (the reference the tests hold it to, bit for bit)."""
     ext = kernels.load()
     w = weights
     cos, sin = w.rope(rows.positions)
     x = w.embedding(rows.tokens).to(w.dtype).contiguous()
+    bound = w.compiled_forward() if compiled else None
+    if bound is not None:  # the same kernels in the same order, in one call
+        return tuple(bound.run(x, cos, sin, store.k, store.v, rows.slots, rows.cache_positions, rows.past, rows.visible,
+                               list(tapped_layers)))
     tapped = {}
     hidden = w.hidden
     k_layers, v_layers = store.k.unbind(0), store.v.unbind(0)  # each layer's K/V view, made in one call
