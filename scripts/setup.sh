@@ -14,6 +14,8 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # The lean forward's kernels, compiled once for this CPU (about a minute; without a compiler
 # targets keep the Hugging Face forward and this says why).
 .venv/bin/python -c "from dartree import kernels; print('lean forward kernels:', 'ready' if kernels.available() else 'unavailable')"
+# The forward's layer loop in one compiled call (the same kernels; without it the loop runs in Python)
+.venv/bin/python -c "from dartree import kernels; print('compiled layer loop:', 'ready' if kernels.load_forward() is not None else 'unavailable')"
 # The integer products on the GGUF file's blocks (the default target), compiled once for this CPU.
 .venv/bin/python -c "from dartree import quant; print('quantised products:', 'ready' if quant.available() else 'unavailable')"
 # DARTree's tree grower, compiled the same way (without it trees grow in Python)
