@@ -16,7 +16,9 @@ from one prompt to the next, so that a guest whose speed drifts shifts them alik
 - ``no-free-rounds``: the same, as before rounds without a drafter call verified anything (the
   proposer's ``free_proposals`` and the proposal's ``free_part`` taken away: such a round is a plain
   step, and a drafted round is weighed against a plain step);
-- ``ngram``: the n-gram proposer alone, budget auto.
+- ``ngram``: the n-gram proposer alone, budget auto;
+- ``ar-python-loop``, ``shipped-python-loop``: ``ar`` and ``shipped`` with the target's layer loop run in
+  Python (``LeanWeights.compiled_forward`` taken away: the same kernels, a call each from Python).
 
 Reported per configuration: decode tokens per second (prefill left out), tau over all rounds and over
 drafted rounds (rounds with a proposer call), those rounds, and the proposer call and tree build per
@@ -38,6 +40,7 @@ from dartree.bench.datasets import DATASETS, load_samples, select  # noqa: E402
 from dartree.budget import BudgetPolicy  # noqa: E402
 from dartree.hardware import describe_machine  # noqa: E402
 from dartree.proposers.combined import DraftAndNgram, DraftAndNgramProposer  # noqa: E402
+from dartree.targets.lean import LeanWeights  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -69,6 +72,8 @@ CONFIGS = {  # name: (method, the context it runs in)
     "shipped": ("dartree", contextlib.nullcontext),
     "no-free-rounds": ("dartree", no_free_rounds),
     "ngram": ("ngram", contextlib.nullcontext),
+    "ar-python-loop": ("ar", lambda: patched(LeanWeights, "compiled_forward", lambda self: None)),
+    "shipped-python-loop": ("dartree", lambda: patched(LeanWeights, "compiled_forward", lambda self: None)),
 }
 
 
