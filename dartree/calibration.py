@@ -145,46 +145,47 @@ def measure(target, proposer: DraftProposer | None = None, head: CorrectionHead 
         # budget "auto" (the only user of these prices) drafts BudgetPolicy.min_draft_depth depths unless
         # recent rounds verified deeper prefixes; the real calls' times then scale the price (MeasuredCostModel)
         depth_limit, proposer.depth_limit = proposer.depth_limit, BudgetPolicy.min_draft_depth
-
-        def draft_call():
-            proposer.reset()
-            proposer.draft(bonus, tapped_states[: context - 2], context - 2)  # the drafter's own prefill
-            forward(1)
-            t0 = time.perf_counter()
-            out = proposer.draft(bonus, tapped_states[context - 2:], context)  # a steady round: 2 new rows
-            return out, 1000.0 * (time.perf_counter() - t0)
-
-        draft_call()
-        timed = [draft_call() for _ in range(repeats)]
-        draft_ms = statistics.median(ms for _, ms in timed)
-        for size in DRAFT_BATCHES:  # one call for several requests, each with its own cache and context
-            group = [DraftProposer(proposer.model, proposer.embed_tokens, proposer.lm_head) for _ in range(size)]
-            for p in group:
-                p.depth_limit = BudgetPolicy.min_draft_depth
-
-            # 2-5 new context rows each (requests accept different run lengths)
-            cuts = [max(context - 2 - i % 4, 1) for i in range(size)]
-
-            def batch_call():
-                for p, cut in zip(group, cuts):
-                    p.reset()
-                    p.draft(bonus, tapped_states[:cut], cut)
+        try:
+            def draft_call():
+                proposer.reset()
+                proposer.draft(bonus, tapped_states[: context - 2], context - 2)  # the drafter's own prefill
                 forward(1)
                 t0 = time.perf_counter()
-                draft_batch(group, [bonus] * size, [tapped_states[cut:context] for cut in cuts], [context] * size)
-                return 1000.0 * (time.perf_counter() - t0)
+                out = proposer.draft(bonus, tapped_states[context - 2:], context)  # a steady round: 2 new rows
+                return out, 1000.0 * (time.perf_counter() - t0)
 
-            batch_call()
-            draft_batch_ms[size] = statistics.median(batch_call() for _ in range(repeats))
-        if head is not None:
-            draft = timed[-1][0]
-            builder = make_builder("dartree", TreeSettings(budget=max_budget))
-            # each build after a target forward and the round's drafter call (draft_call), as in a round
-            tree_ms = _median_ms(lambda: builder.build_tree(draft, head), repeats, draft_call)
-            for size in DRAFT_BATCHES:  # the trees of several requests built together
-                tree_batch_ms[size] = _median_ms(lambda: build_trees([builder] * size, [draft] * size, head, [max_budget] * size),
-                                                 repeats, draft_call)
-        proposer.depth_limit = depth_limit
+            draft_call()
+            timed = [draft_call() for _ in range(repeats)]
+            draft_ms = statistics.median(ms for _, ms in timed)
+            for size in DRAFT_BATCHES:  # one call for several requests, each with its own cache and context
+                group = [DraftProposer(proposer.model, proposer.embed_tokens, proposer.lm_head) for _ in range(size)]
+                for p in group:
+                    p.depth_limit = BudgetPolicy.min_draft_depth
+
+                # 2-5 new context rows each (requests accept different run lengths)
+                cuts = [max(context - 2 - i % 4, 1) for i in range(size)]
+
+                def batch_call():
+                    for p, cut in zip(group, cuts):
+                        p.reset()
+                        p.draft(bonus, tapped_states[:cut], cut)
+                    forward(1)
+                    t0 = time.perf_counter()
+                    draft_batch(group, [bonus] * size, [tapped_states[cut:context] for cut in cuts], [context] * size)
+                    return 1000.0 * (time.perf_counter() - t0)
+
+                batch_call()
+                draft_batch_ms[size] = statistics.median(batch_call() for _ in range(repeats))
+            if head is not None:
+                draft = timed[-1][0]
+                builder = make_builder("dartree", TreeSettings(budget=max_budget))
+                # each build after a target forward and the round's drafter call (draft_call), as in a round
+                tree_ms = _median_ms(lambda: builder.build_tree(draft, head), repeats, draft_call)
+                for size in DRAFT_BATCHES:  # the trees of several requests built together
+                    tree_batch_ms[size] = _median_ms(lambda: build_trees([builder] * size, [draft] * size, head, [max_budget] * size),
+                                                     repeats, draft_call)
+        finally:  # the proposer is the pipeline's own: its depth limit back even where a timing fails
+            proposer.depth_limit = depth_limit
     target.reset_slot(0)
     target.capture = True
     return CostModel(identity(target, proposer), context, verify_ms, draft_ms, tree_ms, draft_batch_ms, tree_batch_ms)

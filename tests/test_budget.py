@@ -301,6 +301,12 @@ def test_the_calibration_times_the_drafter_as_deep_as_budget_auto_first_drafts(p
     calibration.measure(pipe.target, pipe.proposer, pipe.head, context=12, rows=(1, 2), repeats=1, max_budget=4, progress=False)
     assert limits and all(given == [2] * len(given) for given in limits)
     assert pipe.proposer.depth_limit is None
+    # a timing that fails leaves it as it was too
+    monkeypatch.setattr(drafter_module, "block_length", lambda cfg, given: (_ for _ in ()).throw(RuntimeError("failed")))
+    pipe.proposer.depth_limit = 5
+    with pytest.raises(RuntimeError, match="failed"):
+        calibration.measure(pipe.target, pipe.proposer, pipe.head, context=12, rows=(1, 2), repeats=1, max_budget=4, progress=False)
+    assert pipe.proposer.depth_limit == 5
 
 
 def test_one_budget_across_a_batch_speculates_less_as_rows_stop_being_free():
