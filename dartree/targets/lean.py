@@ -160,10 +160,11 @@ class LeanWeights:
                     parts = [packed(getattr(layer, role)) for layer in self.layers]
                     args[role] = [p for p, _ in parts]
                     args[role + "_n"] = [n if n is not None else size for _, n in parts]
+                norms = {name: [getattr(layer, name) for layer in self.layers]
+                         for name in ("input_norm", "post_norm", "q_norm", "k_norm")}
                 self._bound = module.Forward(args["qkv"], args["o"], args["gate_up"], args["down"], args["qkv_n"], args["o_n"],
-                                             args["gate_up_n"], args["down_n"], [l.input_norm for l in self.layers],
-                                             [l.post_norm for l in self.layers], [l.q_norm for l in self.layers],
-                                             [l.k_norm for l in self.layers], self.final_norm, quantized, self.heads,
+                                             args["gate_up_n"], args["down_n"], norms["input_norm"], norms["post_norm"],
+                                             norms["q_norm"], norms["k_norm"], self.final_norm, quantized, self.heads,
                                              self.kv_heads, self.eps, self.scale)
         return self._bound
 
