@@ -66,14 +66,18 @@ def no_free_rounds():
         yield
 
 
+def python_layer_loop():
+    return patched(LeanWeights, "compiled_forward", lambda self: None)
+
+
 CONFIGS = {  # name: (method, the context it runs in)
     "ar": ("ar", contextlib.nullcontext),
     "every-depth": ("dartree", lambda: patched(BudgetPolicy, "draft_depth", lambda self: None)),
     "shipped": ("dartree", contextlib.nullcontext),
     "no-free-rounds": ("dartree", no_free_rounds),
     "ngram": ("ngram", contextlib.nullcontext),
-    "ar-python-loop": ("ar", lambda: patched(LeanWeights, "compiled_forward", lambda self: None)),
-    "shipped-python-loop": ("dartree", lambda: patched(LeanWeights, "compiled_forward", lambda self: None)),
+    "ar-python-loop": ("ar", python_layer_loop),
+    "shipped-python-loop": ("dartree", python_layer_loop),
 }
 
 

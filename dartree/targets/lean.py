@@ -84,6 +84,8 @@ class LayerWeights:
 class LeanWeights:
     """A Hugging Face Llama/Qwen3 model's weights in the lean forward's layout (made once)."""
 
+    integer_products = False  # the products run on block-quantised weights (``QuantizedWeights``)
+
     def __init__(self, model: nn.Module, products: str = "exact"):
         reason = unsupported_reason(model)
         if reason is not None:
@@ -148,24 +150,21 @@ class LeanWeights:
         or None where it does not run: bfloat16 products, or no compiled module."""
         if "_bound" not in self.__dict__:
             self._bound = None
-            quantized = self.products in ("file", "q8_0")
-            module = kernels.load_forward() if quantized or self.products == "exact" else None
+            module = kernels.load_forward() if self.integer_products or self.products == "exact" else None
             if module is not None:
-                def packed(weight):  # a quantised weight's records and size, or a float32 packed block and its size
-                    return (weight.packed, weight.shape[0]) if quantized else (weight, None)
                 sizes = {"qkv": (self.heads + 2 * self.kv_heads) * self.head_dim, "o": self.hidden,
                          "gate_up": 2 * self.intermediate, "down": self.hidden}
-                args = {}
-                for role, size in sizes.items():
-                    parts = [packed(getattr(layer, role)) for layer in self.layers]
-                    args[role] = [p for p, _ in parts]
-                    args[role + "_n"] = [n if n is not None else size for _, n in parts]
+                # a quantised weight's packed records, or the float32 packed blocks themselves
+                weights = {role: [getattr(layer, role).packed if self.integer_products else getattr(layer, role)
+                                  for layer in self.layers] for role in sizes}
+                outputs = {role: [size] * len(self.layers) for role, size in sizes.items()}
                 norms = {name: [getattr(layer, name) for layer in self.layers]
                          for name in ("input_norm", "post_norm", "q_norm", "k_norm")}
-                self._bound = module.Forward(args["qkv"], args["o"], args["gate_up"], args["down"], args["qkv_n"], args["o_n"],
-                                             args["gate_up_n"], args["down_n"], norms["input_norm"], norms["post_norm"],
-                                             norms["q_norm"], norms["k_norm"], self.final_norm, quantized, self.heads,
-                                             self.kv_heads, self.eps, self.scale)
+                self._bound = module.Forward(weights["qkv"], weights["o"], weights["gate_up"], weights["down"],
+                                             outputs["qkv"], outputs["o"], outputs["gate_up"], outputs["down"],
+                                             norms["input_norm"], norms["post_norm"], norms["q_norm"], norms["k_norm"],
+                                             self.final_norm, self.integer_products, self.heads, self.kv_heads, self.eps,
+                                             self.scale)
         return self._bound
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -276,7 +275,6 @@ def forward(weights: LeanWeights, store: KVStore, rows: Rows, tapped_layers: lis
     without tapped_layers). Plain functions over prepared weights: a few compiled calls per layer, run by
     one compiled call (``LeanWeights.compiled_forward``) where it is built; ``compiled=False`` loops here
     (the reference the tests hold it to, bit for bit)."""
-    ext = kernels.load()
     w = weights
     cos, sin = w.rope(rows.positions)
     x = w.embedding(rows.tokens).to(w.dtype).contiguous()
@@ -284,6 +282,7 @@ def forward(weights: LeanWeights, store: KVStore, rows: Rows, tapped_layers: lis
     if bound is not None:  # the same kernels in the same order, in one call
         return tuple(bound.run(x, cos, sin, store.k, store.v, rows.slots, rows.cache_positions, rows.past, rows.visible,
                                list(tapped_layers)))
+    ext = kernels.load()
     tapped = {}
     hidden = w.hidden
     k_layers, v_layers = store.k.unbind(0), store.v.unbind(0)  # each layer's K/V view, made in one call

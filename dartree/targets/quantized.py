@@ -145,6 +145,7 @@ class QuantizedWeights(LeanWeights):
     """``LeanWeights`` whose products run on block-quantised weights (``quant.QuantWeight``)."""
 
     row_invariant = True
+    integer_products = True
 
     def __init__(self, model: nn.Module, weights: str = "file", gguf: str | Path | GGUFTensors | None = None):
         if weights not in ("file", "q8_0"):
