@@ -107,6 +107,24 @@ def resident_mb(pid: int | str = "self") -> float:
     raise DartreeError(f"no VmRSS in /proc/{pid}/status")
 
 
+def release_freed_memory() -> bool:
+    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``); returns whether it ran.
+
+    Loading a model frees a great deal it made on the way (each tensor's raw copy once it is packed, a
+    drafter's file once converted), and glibc keeps those pages: the bundled model's process held ~60 MB
+    more after ``dartree.load()`` than after this call (AMD EPYC Zen 3). Where the C library is not
+    glibc this does nothing."""
+    import ctypes
+
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True
+
+
 def set_threads(threads: int | None) -> int:
     """Use ``threads`` CPU threads for torch; returns the count in use. ``None`` keeps a count chosen
     earlier in the process (the command line chooses once, before anything loads), else takes

@@ -15,7 +15,7 @@ from .default_model import default_drafter_dir, default_target_config_dir, defau
 from .drafter import DrafterModel
 from .engine import Engine, GenerationStats, Request, run_alone
 from .errors import DartreeError, require
-from .hardware import set_threads
+from .hardware import release_freed_memory, set_threads
 from .loading import check_pair, cpu_products, load_drafter, load_target, load_tokenizer, parse_dtype, resolve_device
 from .prompts import chat_token_ids
 from .settings import GenerationSettings
@@ -354,4 +354,7 @@ def load(target: str | Path | None = None, drafter: str | Path | None = None, dt
         # fp32/fp64 CPU only; training loads drafters without it. The drafter's products are over a
         # draft block's few rows, where the lean kernels read the weights fastest.
         cpu_products(draft_model, lean=True)
-    return Pipeline(model, draft_model, load_tokenizer(target), lean=lean, cost_model=cost_model, weights=weights, gguf=gguf)
+    pipeline = Pipeline(model, draft_model, load_tokenizer(target), lean=lean, cost_model=cost_model, weights=weights,
+                        gguf=gguf)
+    release_freed_memory()  # what loading made and dropped (raw blocks once packed, the drafter's file) back to the system
+    return pipeline

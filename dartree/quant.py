@@ -103,9 +103,10 @@ def qproduct(x: torch.Tensor, weight: QuantWeight, residual: torch.Tensor | None
     return (ext or load()).qproduct(x.contiguous(), weight.packed, weight.shape[0], residual)
 
 
-def dequantize(weight: QuantWeight, ext=None) -> torch.Tensor:
-    """The weight's float32 values [N, K], bitwise what ``gguf.quants.dequantize`` gives."""
-    return (ext or load()).dequantize(weight.packed, weight.shape[0])
+def dequantize(weight: QuantWeight, ext=None, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The weight's float32 values [N, K], bitwise what ``gguf.quants.dequantize`` gives; with ``rows``
+    (ids [R]) only those rows, [R, K] (a token embedding's lookup)."""
+    return (ext or load()).dequantize(weight.packed, weight.shape[0], rows)
 
 
 def quantize_rows(x: torch.Tensor, ext=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

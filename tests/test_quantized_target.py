@@ -14,12 +14,13 @@ from hypothesis import strategies as st
 from tiny import make_tiny_drafter, make_tiny_target
 
 import dartree
+from dartree import quant
 from dartree.errors import DartreeError
 from dartree.loading import load_drafter, load_target
 from dartree.pipeline import Pipeline
 from dartree.targets import LeanTarget, forward_tree, prefill
 from dartree.targets.lean import Rows
-from dartree.targets.quantized import QuantizedWeights
+from dartree.targets.quantized import GGUFTensors, QuantizedWeights
 from dartree.trees import available_methods
 
 gguf = pytest.importorskip("gguf")
@@ -28,10 +29,11 @@ LLAMA_ROLES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_pr
                "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
 
 
-def write_tiny_gguf(model_dir, out_dir, qtype=gguf.GGMLQuantizationType.Q4_1):
+def write_tiny_gguf(model_dir, out_dir, qtype=gguf.GGMLQuantizationType.Q4_1, tied=False):
     """Quantise a tiny float32 Llama's linear weights to ``qtype`` (the output layer to Q8_0) into a
     GGUF file with llama.cpp's names and q/k row order, and save the model with the dequantised
-    values (what a checkpoint converted from that file holds). Returns (checkpoint dir, gguf path)."""
+    values (what a checkpoint converted from that file holds). ``tied``: no ``output.weight`` in the
+    file, the output layer being the embedding (as the bundled SmolLM2's). Returns (checkpoint dir, gguf path)."""
     from gguf import quants
 
     model = load_target(model_dir, torch.float32, "cpu")
@@ -58,12 +60,16 @@ def write_tiny_gguf(model_dir, out_dir, qtype=gguf.GGMLQuantizationType.Q4_1):
                 module = getattr(block.self_attn if hf.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else block.mlp, hf)
                 heads = cfg.num_attention_heads if hf == "q_proj" else cfg.num_key_value_heads if hf == "k_proj" else None
                 put(f"blk.{i}.{name}.weight", module.weight, qtype, heads)
-        put("output.weight", model.lm_head.weight, gguf.GGMLQuantizationType.Q8_0)
+        if not tied:
+            put("output.weight", model.lm_head.weight, gguf.GGMLQuantizationType.Q8_0)
         put("token_embd.weight", model.model.embed_tokens.weight, gguf.GGMLQuantizationType.Q8_0)
+        if tied:
+            model.lm_head.weight = model.model.embed_tokens.weight
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    model.config.tie_word_embeddings = tied
     model.save_pretrained(out_dir / "checkpoint")
     return out_dir / "checkpoint", path
 
@@ -209,6 +215,84 @@ def test_bad_weights_settings_and_files_give_one_clear_error(tmp_path, model_dir
                                          num_layers=2, seed=99), torch.float32, "cpu")
     with pytest.raises(DartreeError, match="does not hold this model's weights"):
         QuantizedWeights(other, "file", path)
+
+
+def test_a_tied_files_embedding_is_its_output_layers_weight_held_once(tmp_path):
+    target = make_tiny_target(tmp_path / "t", family="llama", vocab_size=40, hidden_size=64, num_layers=2, seed=11)
+    checkpoint, path = write_tiny_gguf(target, tmp_path, tied=True)
+    model = load_target(checkpoint, torch.float32, "cpu")
+    weights = QuantizedWeights(model, "file", path)
+    assert weights.embedding.weight is weights.output  # one packed table for both
+    table = model.get_input_embeddings().weight
+    assert torch.equal(table, model.lm_head.weight)
+    ids = torch.tensor([[39, 0, 7], [7, 7, 21]])
+    assert torch.equal(weights.embedding(ids), table[ids])  # the checkpoint's rows, bit for bit
+    assert torch.equal(weights.embedding(torch.arange(40)), quant.dequantize(weights.output))
+    with pytest.raises(RuntimeError, match="outside the weight"):
+        weights.embedding(torch.tensor([40]))
+    # the same weights through an untied file: two tables, the same lookups and logits
+    (tmp_path / "untied").mkdir()
+    untied_checkpoint, untied_path = write_tiny_gguf(target, tmp_path / "untied", tied=False)
+    untied = QuantizedWeights(load_target(untied_checkpoint, torch.float32, "cpu"), "file", untied_path)
+    assert untied.embedding.weight is not untied.output
+    assert torch.equal(untied.embedding(ids), weights.embedding(ids))
+
+
+def _same_index(ours: GGUFTensors, path) -> None:
+    """``ours`` holds what gguf's own reader finds in ``path``: every tensor (type, shape, offset, bytes),
+    the data's start, and every field that is not an array, value for value."""
+    library = gguf.GGUFReader(str(path))
+    assert ours.reader.data_offset == library.data_offset and ours.reader.alignment == library.alignment
+    assert list(ours.tensors) == [t.name for t in library.tensors]
+    for t in library.tensors:
+        mine = ours.tensors[t.name]
+        assert (mine.tensor_type, list(mine.shape), mine.data_offset) == (t.tensor_type, list(t.shape), t.data_offset)
+        assert np.array_equal(mine.data, t.data)
+    arrays = {k for k, f in library.fields.items() if f.types[0] == gguf.GGUFValueType.ARRAY}
+    assert set(ours.reader.fields) == set(library.fields) - arrays
+    for key, field in ours.reader.fields.items():
+        other = library.fields[key]
+        assert (field.offset, field.types) == (other.offset, other.types)
+        assert [bytes(field.parts[i]) for i in field.data] == [bytes(other.parts[i]) for i in other.data]
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.data())
+def test_the_tensor_index_skips_the_metadatas_arrays_and_reads_what_the_library_reads(tmp_path_factory, data):
+    path = tmp_path_factory.mktemp("index") / "meta.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    texts = st.text(max_size=12)
+    writer.add_array("tokenizer.ggml.tokens", data.draw(st.lists(texts, max_size=40)))
+    writer.add_array("tokenizer.ggml.scores", data.draw(st.lists(st.floats(-10, 10, width=32), max_size=30)))
+    writer.add_array("tokenizer.ggml.token_type", data.draw(st.lists(st.integers(0, 6), max_size=30)))
+    writer.add_array("nested", [data.draw(st.lists(st.integers(0, 9), min_size=1, max_size=5)) for _ in range(3)])
+    writer.add_custom_alignment(data.draw(st.sampled_from([16, 32, 64])))
+    writer.add_string("general.name", data.draw(texts))
+    writer.add_float32("llama.rope.freq_base", 10000.0)
+    for i in range(data.draw(st.integers(1, 3))):
+        values = np.arange(32 * (i + 1), dtype=np.float32).reshape(i + 1, 32)
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    _same_index(GGUFTensors(path), path)
+    # cut inside the metadata or the tensor index: one clear line, as for any unreadable file
+    cut = path.with_name("cut.gguf")
+    cut.write_bytes(path.read_bytes()[: data.draw(st.integers(4, header_end(path)))])
+    with pytest.raises(DartreeError, match="not a readable GGUF file"):
+        GGUFTensors(cut)
+
+
+def header_end(path) -> int:
+    """Where a GGUF file's header (metadata and tensor index) ends."""
+    return int(gguf.GGUFReader(str(path)).data_offset) - 1
+
+
+def test_the_bundled_files_tensor_index_is_the_librarys():
+    from dartree.default_model import gguf_path
+
+    _same_index(GGUFTensors(gguf_path()), gguf_path())
 
 
 def _random_batch(data, pasts: list[int], vocab: int):

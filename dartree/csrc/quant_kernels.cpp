@@ -522,23 +522,33 @@ torch::Tensor pack(torch::Tensor raw, int64_t qtype, int64_t K) {
 }
 
 // packed -> float32 [n, K]: GGUF's dequantisation, value for value, as gguf.quants computes it (Q8_0 and
-// Q6_K: q * d; Q4_0: d * (q - 8); Q4_1 and Q4_K: d * q + m), each a correctly rounded operation
-torch::Tensor dequantize(torch::Tensor packed, int64_t N) {
+// Q6_K: q * d; Q4_0: d * (q - 8); Q4_1 and Q4_K: d * q + m), each a correctly rounded operation. With
+// ``rows`` (int64 [R]) only those rows, in that order, [R, K]: a token embedding's lookup in the weight
+// that a tied output layer multiplies by, so that the table is held once.
+torch::Tensor dequantize(torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> rows) {
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(), "quant.dequantize: a packed weight");
   const RecordKind kind = kind_of_record(packed.size(2));
   const int64_t rt = kind.type, nb = packed.size(1), K = nb * QK, QB = quant_bytes(rt), SB = second_at(rt, kind.half);
   TORCH_CHECK(N <= packed.size(0) * G && N > (packed.size(0) - 1) * G, "quant.dequantize: n does not match the packed rows");
-  auto w = torch::empty({N, K}, torch::dtype(torch::kFloat32));
+  const bool some = rows.has_value() && rows->defined();
+  torch::Tensor ids = some ? rows->contiguous() : torch::Tensor();
+  if (some) TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kLong, "quant.dequantize: rows must be int64 [R]");
+  const int64_t R = some ? ids.size(0) : N;
+  const int64_t* id = some ? ids.data_ptr<int64_t>() : nullptr;
+  for (int64_t i = 0; some && i < R; ++i)
+    TORCH_CHECK(id[i] >= 0 && id[i] < N, "quant.dequantize: row ", id[i], " outside the weight's ", N, " rows");
+  auto w = torch::empty({R, K}, torch::dtype(torch::kFloat32));
   const uint8_t* p = packed.data_ptr<uint8_t>();
-  float* out = w.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n)
+  float* base = w.data_ptr<float>();
+  at::parallel_for(0, R, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i)
       for (int64_t b = 0; b < nb; ++b) {
+        const int64_t n = some ? id[i] : i;  // the weight's row that is the output's row i
         const uint8_t* rec = p + ((n / G) * nb + b) * packed.size(2);
         const int j = n % G;
         const float a = kind.half ? float_at<true>(rec + QB, j) : float_at<false>(rec + QB, j);
         const float second = !two_floats(rt) ? 0.0f : kind.half ? float_at<true>(rec + SB, j) : float_at<false>(rec + SB, j);
-        float* o = out + n * K + b * QK;
+        float* o = base + i * K + b * QK;
         for (int v = 0; v < QK; ++v) {
           if (wide(rt)) {
             o[v] = (float)(int8_t)(rec[wide_at(v, j)] ^ 0x80) * (rt == Q6_K && v >= 16 ? second : a);
@@ -634,7 +644,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = py::call_guard<py::gil_scoped_release>;
   m.def("pack", &pack, "GGUF blocks [N, bytes] of a Q4_0/Q4_1/Q8_0/Q4_K/Q6_K tensor -> the packed weight", py::arg("raw"),
         py::arg("qtype"), py::arg("k"), release());
-  m.def("dequantize", &dequantize, "packed weight -> float32 [n, K], GGUF's values", py::arg("packed"), py::arg("n"), release());
+  m.def("dequantize", &dequantize, "packed weight -> float32 [n, K] (or its rows [R, K]), GGUF's values", py::arg("packed"),
+        py::arg("n"), py::arg("rows") = py::none(), release());
   m.def("quantize_rows", &quantize_rows, "x [M, K] -> (int8 q, float32 d, int32 sum) per block of 32", release());
   m.def("qproduct", &qproduct, "x @ W.T (+ residual) on a packed quantised weight, exact integer blocks, row-invariant",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("residual") = py::none(), release());

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -34,15 +35,70 @@ def _llama_rope_rows(rows: int, heads: int) -> torch.Tensor:
     return torch.argsort(order)
 
 
+def _tensor_index_reader(path: Path):
+    """``gguf.GGUFReader`` over ``path`` with the metadata's arrays skipped instead of parsed.
+
+    The library's reader makes numpy views of every element of every metadata array: for the bundled
+    file's tokenizer (49k tokens, 48k merges) ~250k small objects, 3.4 s and 160 MB at its peak on an
+    AMD EPYC Zen 3, most of a model load, for values no target reads (the tokenizer comes from the
+    model's own tokenizer files). This reader steps over an array by its length (a string array
+    string by string) and parses everything else with the library's own code: the scalar and string
+    fields (``general.architecture``, ``general.alignment``), the tensor index and the tensors' data
+    views. A file in the other byte order is parsed by the library in full."""
+    import struct
+
+    import gguf
+    from gguf.gguf_reader import ReaderField
+
+    class TensorIndexReader(gguf.GGUFReader):
+        def _build_fields(self, offs: int, count: int) -> int:
+            if self.byte_order != "I":
+                return super()._build_fields(offs, count)
+            buf = memoryview(self.data)
+            array, string = gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING
+
+            def skip_array(offs: int) -> int:  # offs: at the array's item type; returns the offset past it
+                item_type, length = struct.unpack_from("<IQ", buf, offs)
+                offs += 12
+                if item_type == string:  # each string: a uint64 length, then its bytes
+                    for _ in range(length):
+                        offs += 8 + struct.unpack_from("<Q", buf, offs)[0]
+                elif item_type == array:  # arrays of arrays, each with its own header
+                    for _ in range(length):
+                        offs = skip_array(offs)
+                else:
+                    offs += length * np.dtype(self.gguf_scalar_to_np[gguf.GGUFValueType(item_type)]).itemsize
+                return offs
+
+            for _ in range(count):
+                start = offs
+                (key_len,) = struct.unpack_from("<Q", buf, offs)
+                offs += 8 + key_len
+                (value_type,) = struct.unpack_from("<I", buf, offs)
+                offs += 4
+                if value_type == array:
+                    offs = skip_array(offs)
+                    continue
+                key_parts = [self._get(start, np.uint64), self._get(start + 8, np.uint8, key_len),
+                             self._get(offs - 4, np.uint32)]
+                size, parts, idxs, types = self._get_field_parts(offs, value_type)
+                self._push_field(ReaderField(start, bytes(key_parts[1]).decode(), key_parts + parts,
+                                             [i + len(key_parts) for i in idxs], types), skip_sum=True)
+                offs += size
+            if offs > len(self.data):
+                raise ValueError(f"the metadata runs past the end of the file ({offs} > {len(self.data)} bytes)")
+            return offs
+
+    return TensorIndexReader(str(path))
+
+
 class GGUFTensors:
-    """The raw blocks of a GGUF file's tensors, by name (the file parsed once)."""
+    """The raw blocks of a GGUF file's tensors, by name (the file's tensor index parsed once)."""
 
     def __init__(self, path: str | Path):
-        import gguf
-
         self.path = Path(path)
         try:
-            self.reader = gguf.GGUFReader(str(self.path))
+            self.reader = _tensor_index_reader(self.path)
         except Exception as exc:  # noqa: BLE001 - any parse failure is a bad file
             raise DartreeError(f"{self.path}: not a readable GGUF file ({type(exc).__name__}: {exc}); "
                                "check the file is complete (re-download or re-install its package)") from None
@@ -72,21 +128,20 @@ class GGUFTensors:
 
 
 class Q8Embedding(nn.Module):
-    """A Q8_0 token embedding as the GGUF file stores it (per block of 32: an fp16 scale, 32 int8), a row
-    dequantised when it is looked up: scale * value in float32, the values ``gguf`` dequantises the tensor
-    to, so the float32 checkpoint's rows bit for bit (checked at load). A quarter of the float32 table's
-    memory, and only the rows a text uses are ever expanded."""
+    """A token embedding looked up in a packed Q8_0 weight (``quant.QuantWeight``): a row dequantised when
+    it is looked up (scale * value in float32, the values ``gguf`` dequantises the tensor to, so the float32
+    checkpoint's rows bit for bit, checked at load). A quarter of the float32 table's memory, only the rows
+    a text uses ever expanded; where the output layer is tied to the embedding (the file has no
+    ``output.weight``, as the bundled SmolLM2's) it is the output layer's own weight, held once."""
 
-    def __init__(self, raw: torch.Tensor, dim: int):
+    def __init__(self, weight: quant.QuantWeight):
         super().__init__()
-        self.raw, self.num_embeddings, self.embedding_dim = raw, raw.shape[0], dim
-        self.blocks = dim // 32
+        self.weight = weight
+        self.num_embeddings, self.embedding_dim = weight.shape
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        blocks = self.raw[ids.reshape(-1).cpu()].view(-1, self.blocks, 34)
-        scale = blocks[..., :2].contiguous().view(torch.float16).to(torch.float32)  # [n, blocks, 1]
-        values = blocks[..., 2:].contiguous().view(torch.int8).to(torch.float32)     # [n, blocks, 32]
-        return (scale * values).reshape(*ids.shape, self.embedding_dim)
+        rows = quant.dequantize(self.weight, rows=ids.reshape(-1).to(device="cpu", dtype=torch.long))
+        return rows.reshape(*ids.shape, self.embedding_dim)
 
 
 # Hugging Face's norm of a Llama decoder layer -> the GGUF tensor holding it
@@ -123,20 +178,25 @@ def model_from_gguf(config_dir: str | Path, source: GGUFTensors) -> nn.Module:
     return model.eval()
 
 
-def q8_embedding(source: GGUFTensors, model: nn.Module) -> Q8Embedding | None:
+def q8_embedding(source: GGUFTensors, model: nn.Module, output: quant.QuantWeight | None = None) -> Q8Embedding | None:
     """The file's token embedding as a ``Q8Embedding`` where it is Q8_0 and gives the model's rows bit for
-    bit (checked on rows spread over the table, the first and last included); else None (the model's own)."""
+    bit (checked on rows spread over the table, the first and last included); else None (the model's own).
+    ``output``: the output layer's packed weight, the embedding's own where the file ties the two."""
     t = source.tensors.get("token_embd.weight")
     if t is None or t.tensor_type.name != "Q8_0":
         return None
-    qtype, raw, k = source.raw("token_embd.weight")
+    if output is not None and "output.weight" not in source.tensors:  # tied: the same blocks, packed once
+        embedding = Q8Embedding(output)
+    else:
+        qtype, raw, k = source.raw("token_embd.weight")
+        embedding = Q8Embedding(quant.QuantWeight.from_blocks(qtype, raw, k))
     if from_gguf(model):  # the file is the model: no other table to agree with
-        return Q8Embedding(raw, k)
+        return embedding
     float_table = model.get_input_embeddings().weight
-    if tuple(float_table.shape) != (raw.shape[0], k) or float_table.dtype != torch.float32:
+    if tuple(float_table.shape) != embedding.weight.shape or float_table.dtype != torch.float32:
         return None
-    embedding = Q8Embedding(raw, k)
-    probe = torch.unique(torch.cat([torch.linspace(0, raw.shape[0] - 1, 97).long(), torch.tensor([raw.shape[0] - 1])]))
+    rows = embedding.num_embeddings
+    probe = torch.unique(torch.cat([torch.linspace(0, rows - 1, 97).long(), torch.tensor([rows - 1])]))
     with torch.no_grad():
         return embedding if torch.equal(embedding(probe), float_table[probe]) else None
 
@@ -166,7 +226,7 @@ class QuantizedWeights(LeanWeights):
         self._qext = quant.load()
         super().__init__(model, products="exact")
         # the embedding as stored where it can be (the float32 table is then never read: its pages stay on disk)
-        stored = q8_embedding(self.source, model) if self.source is not None else None
+        stored = q8_embedding(self.source, model, self.output) if self.source is not None else None
         if stored is not None:
             self.embedding = stored
         elif from_gguf(model):
