@@ -323,7 +323,7 @@ def test_every_instruction_set_path_gives_the_same_bits(variant):
 @pytest.mark.parametrize("hd", [64, 128])
 def test_attention_of_rows_taken_together_gives_each_row_its_bits_alone(hd):
     """Rows that share a slot and a committed length (a tree's, a prompt chunk's) are attended
-    together (each key and value read once for all of them, AVX-512): every row gets the bits of the
+    together (each key and value read once for all of them, AVX-512 and AVX2): every row gets the bits of the
     per-query path and of its own call alone, whatever the runs, their lengths and what each row sees."""
     gen = torch.Generator().manual_seed(21)
     nh, nkv, slots_count, capacity, width = 9, 3, 3, 200, 19

@@ -26,6 +26,11 @@
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 #define DARTREE_AVX2 1
 #endif
+#if defined(__AVX512F__)
+#define LANES_PER_REGISTER 16
+#else
+#define LANES_PER_REGISTER 8
+#endif
 
 namespace {
 
@@ -774,6 +779,109 @@ void attention_grouped(const float* qp, const float* kc, const float* vc, float*
     }
   });
 }
+#elif defined(DARTREE_AVX2)
+// attention for float with head_dim 8 V (64 or 128), queries taken together: one task holds up to QC (row, head)
+// queries that share a slot, a committed length p and a KV head, and walks the committed keys and values in
+// blocks of KB positions (a block of keys or values, 4 or 8 KiB, stays in L1 while every query of the task
+// reads it, instead of each query streaming the whole cache from L2). Every query's arithmetic is the per-query
+// path's, operation for operation: its committed keys' scores by dot4_keys_avx2 in fours (score_committed), the
+// rest by dot_heads, the same maximum, exp_neg_inplace and sum_fixed; its values accumulated in cache order
+// (the committed ones, then its own visible new rows) by the same fmas from zero, the accumulator kept in
+// memory between blocks, 8 floats of the head at a time (each float's own chain), and divided by the total:
+// the same bits.
+template <int V>
+void attention_grouped(const float* qp, const float* kc, const float* vc, float* op, const int64_t* sp, const int64_t* pp,
+                       const uint8_t* vis, int64_t M, int64_t nh, int64_t nkv, int64_t T, int64_t W, float scale) {
+  constexpr int64_t hd = 8 * V, QC = 8, KB = 16;
+  const int64_t group = nh / nkv;
+  // Fewer queries a task where there are few in all, so that every thread gets some (a one-row step's 9 heads
+  // in tasks of 3 ran slower on 2 threads than one query a task); which task takes a query never changes its bits.
+  const int64_t per_task = std::max<int64_t>(1, std::min<int64_t>(QC, M * nh / (2 * at::get_num_threads())));
+  struct Task { int64_t r0, r1, kvh, first, count; };  // rows [r0, r1) of one run; queries first .. first + count
+  std::vector<Task> tasks;
+  for (int64_t r0 = 0; r0 < M;) {
+    int64_t r1 = r0 + 1;
+    while (r1 < M && sp[r1] == sp[r0] && pp[r1] == pp[r0]) ++r1;
+    const int64_t queries = (r1 - r0) * group;  // query q: row r0 + q / group, head kvh * group + q % group
+    for (int64_t kvh = 0; kvh < nkv; ++kvh)
+      for (int64_t f = 0; f < queries; f += per_task) tasks.push_back({r0, r1, kvh, f, std::min(per_task, queries - f)});
+    r0 = r1;
+  }
+  at::parallel_for(0, (int64_t)tasks.size(), 1, [&](int64_t a, int64_t b) {
+    std::vector<float> scores;
+    alignas(32) float acc[QC][hd];
+    for (int64_t t = a; t < b; ++t) {
+      const Task& task = tasks[t];
+      const int64_t p = pp[task.r0], n_max = p + W, blocked = p / 4 * 4;  // score_committed's fours
+      const float* kbase = kc + (sp[task.r0] * nkv + task.kvh) * T * hd;
+      const float* vbase = vc + (sp[task.r0] * nkv + task.kvh) * T * hd;
+      scores.resize(QC * n_max);
+      const float* qrow[QC];
+      float* orow[QC];
+      const uint8_t* seen[QC];
+      float total[QC];
+      for (int64_t i = 0; i < task.count; ++i) {
+        const int64_t q = task.first + i, r = task.r0 + q / group, h = task.kvh * group + q % group;
+        qrow[i] = qp + r * nh * hd + h * hd;
+        orow[i] = op + r * nh * hd + h * hd;
+        seen[i] = vis + r * W;
+      }
+      for (int64_t k0 = 0; k0 < blocked; k0 += KB)  // a block of keys, read once from L2 for every query of the task
+        for (int64_t i = 0; i < task.count; ++i)
+          for (int64_t k = k0; k < std::min(k0 + KB, blocked); k += 4) {
+            float* s = scores.data() + i * n_max + k;
+            dot4_keys_avx2(qrow[i], kbase + k * hd, hd, s);
+            for (int j = 0; j < 4; ++j) s[j] = s[j] * scale;
+          }
+      for (int64_t i = 0; i < task.count; ++i) {
+        float* s = scores.data() + i * n_max;
+        int64_t n = 0;
+        float top = -std::numeric_limits<float>::infinity();
+        auto score = [&](int64_t pos) {
+          if (n >= blocked) s[n] = dot_heads(qrow[i], kbase + pos * hd, hd) * scale;
+          top = s[n] > top ? s[n] : top;
+          ++n;
+        };
+        for (int64_t pos = 0; pos < p; ++pos) score(pos);
+        for (int64_t j = 0; j < W; ++j)
+          if (seen[i][j]) score(p + j);
+        exp_neg_inplace(s, n, top);
+        total[i] = sum_fixed(s, n);
+        for (int64_t d = 0; d < hd; ++d) acc[i][d] = 0.0f;
+      }
+      for (int64_t k0 = 0; k0 < p; k0 += KB) {  // a block of committed values, likewise
+        const int64_t k1 = std::min(k0 + KB, p);
+        for (int64_t i = 0; i < task.count; ++i) {
+          const float* s = scores.data() + i * n_max;
+          for (int c0 = 0; c0 < V; c0 += 8) {
+            constexpr int HALF = V < 8 ? V : 8;
+            __m256 a8[HALF];
+            for (int c = 0; c < HALF; ++c) a8[c] = _mm256_load_ps(acc[i] + 8 * (c0 + c));
+            for (int64_t pos = k0; pos < k1; ++pos) {
+              const __m256 pi = _mm256_set1_ps(s[pos]);
+              for (int c = 0; c < HALF; ++c)
+                a8[c] = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vbase + pos * hd + 8 * (c0 + c)), a8[c]);
+            }
+            for (int c = 0; c < HALF; ++c) _mm256_store_ps(acc[i] + 8 * (c0 + c), a8[c]);
+          }
+        }
+      }
+      for (int64_t i = 0; i < task.count; ++i) {
+        const float* s = scores.data() + i * n_max;
+        const __m256 tv = _mm256_set1_ps(total[i]);
+        for (int c = 0; c < V; ++c) {
+          __m256 a8 = _mm256_load_ps(acc[i] + 8 * c);
+          int64_t k = p;  // the query's own visible new rows, in cache order
+          for (int64_t j = 0; j < W; ++j) {
+            if (!seen[i][j]) continue;
+            a8 = _mm256_fmadd_ps(_mm256_set1_ps(s[k++]), _mm256_loadu_ps(vbase + (p + j) * hd + 8 * c), a8);
+          }
+          _mm256_storeu_ps(orow[i] + 8 * c, _mm256_div_ps(a8, tv));
+        }
+      }
+    }
+  });
+}
 #endif
 
 // Row r (slot s, past p) attends to cache positions [0, p) of slot s and to p + j for each j with
@@ -788,11 +896,20 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor kcache, torch::Tensor vca
   const int64_t* pp = past.data_ptr<int64_t>();
   const uint8_t* vis = visible.data_ptr<uint8_t>();
   for (int64_t r = 0; r < M; ++r) TORCH_CHECK(pp[r] >= 0 && pp[r] + W <= T && sp[r] >= 0 && sp[r] < kcache.size(0), "attention: row outside the cache");
-#if defined(__AVX512F__)
-  if (q.scalar_type() == torch::kFloat && (hd == 64 || hd == 128) && grouped_attention) {
+#if defined(__AVX512F__) || defined(DARTREE_AVX2)
+  bool grouped = q.scalar_type() == torch::kFloat && (hd == 64 || hd == 128) && grouped_attention;
+#if defined(DARTREE_AVX2)
+  // A one-row step's few queries (SmolLM2's 9) keep the per-query path on AVX2: one query a task spreads the
+  // cache's cold reads over both threads (measured on an AMD EPYC Zen 3: the grouped path gained nothing there,
+  // and 5-16 % of a 4- or 16-row forward at contexts of 256 and 700).
+  grouped = grouped && M * nh >= 8 * at::get_num_threads();
+#endif
+  if (grouped) {
     const float *qp = q.data_ptr<float>(), *kc = kcache.data_ptr<float>(), *vc = vcache.data_ptr<float>();
-    if (hd == 64) attention_grouped<4>(qp, kc, vc, out.data_ptr<float>(), sp, pp, vis, M, nh, nkv, T, W, float(scale));
-    else attention_grouped<8>(qp, kc, vc, out.data_ptr<float>(), sp, pp, vis, M, nh, nkv, T, W, float(scale));
+    // the template argument: the head's vector registers (16 floats each on AVX-512, 8 on AVX2)
+    constexpr int64_t lanes = LANES_PER_REGISTER;
+    if (hd == 64) attention_grouped<64 / lanes>(qp, kc, vc, out.data_ptr<float>(), sp, pp, vis, M, nh, nkv, T, W, float(scale));
+    else attention_grouped<128 / lanes>(qp, kc, vc, out.data_ptr<float>(), sp, pp, vis, M, nh, nkv, T, W, float(scale));
     return out;
   }
 #endif
