@@ -111,9 +111,8 @@ def release_freed_memory() -> bool:
     """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``); returns whether it ran.
 
     Loading a model frees a great deal it made on the way (each tensor's raw copy once it is packed, a
-    drafter's file once converted), and glibc keeps those pages: the bundled model's process held ~60 MB
-    more after ``dartree.load()`` than after this call (AMD EPYC Zen 3). Where the C library is not
-    glibc this does nothing."""
+    drafter's file once converted), and glibc keeps those pages resident until they are handed back.
+    Where the C library is not glibc this does nothing."""
     import ctypes
 
     try:

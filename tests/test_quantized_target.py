@@ -266,6 +266,12 @@ def test_the_tensor_index_skips_the_metadatas_arrays_and_reads_what_the_library_
     writer.add_array("tokenizer.ggml.scores", data.draw(st.lists(st.floats(-10, 10, width=32), max_size=30)))
     writer.add_array("tokenizer.ggml.token_type", data.draw(st.lists(st.integers(0, 6), max_size=30)))
     writer.add_array("nested", [data.draw(st.lists(st.integers(0, 9), min_size=1, max_size=5)) for _ in range(3)])
+    writer.add_array("nested.strings", [data.draw(st.lists(texts, min_size=1, max_size=4)) for _ in range(2)])
+    for item_type in (gguf.GGUFValueType.UINT8, gguf.GGUFValueType.INT16, gguf.GGUFValueType.UINT64,
+                      gguf.GGUFValueType.FLOAT64, gguf.GGUFValueType.BOOL):  # every item size: 1, 2, 8 bytes
+        values = data.draw(st.lists(st.booleans() if item_type == gguf.GGUFValueType.BOOL else st.integers(0, 100),
+                                    min_size=1, max_size=9))
+        writer.add_key_value(f"sized.{item_type.name.lower()}", values, gguf.GGUFValueType.ARRAY, sub_type=item_type)
     writer.add_custom_alignment(data.draw(st.sampled_from([16, 32, 64])))
     writer.add_string("general.name", data.draw(texts))
     writer.add_float32("llama.rope.freq_base", 10000.0)

@@ -794,8 +794,8 @@ void attention_grouped(const float* qp, const float* kc, const float* vc, float*
                        const uint8_t* vis, int64_t M, int64_t nh, int64_t nkv, int64_t T, int64_t W, float scale) {
   constexpr int64_t hd = 8 * V, QC = 8, KB = 16;
   const int64_t group = nh / nkv;
-  // Fewer queries a task where there are few in all, so that every thread gets some (a one-row step's 9 heads
-  // in tasks of 3 ran slower on 2 threads than one query a task); which task takes a query never changes its bits.
+  // Fewer queries a task where there are few in all (about two tasks a thread), so that every thread gets some;
+  // which task takes a query never changes its bits.
   const int64_t per_task = std::max<int64_t>(1, std::min<int64_t>(QC, M * nh / (2 * at::get_num_threads())));
   struct Task { int64_t r0, r1, kvh, first, count; };  // rows [r0, r1) of one run; queries first .. first + count
   std::vector<Task> tasks;
@@ -899,9 +899,9 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor kcache, torch::Tensor vca
 #if defined(__AVX512F__) || defined(DARTREE_AVX2)
   bool grouped = q.scalar_type() == torch::kFloat && (hd == 64 || hd == 128) && grouped_attention;
 #if defined(DARTREE_AVX2)
-  // A one-row step's few queries (SmolLM2's 9) keep the per-query path on AVX2: one query a task spreads the
-  // cache's cold reads over both threads (measured on an AMD EPYC Zen 3: the grouped path gained nothing there,
-  // and 5-16 % of a 4- or 16-row forward at contexts of 256 and 700).
+  // Fewer than 8 queries a thread (a one-row step's 9 heads on 2 threads) keep the per-query path on AVX2: one
+  // query a task spreads the cache's cold reads over the threads, where grouped tasks of 3 left a thread idle
+  // (an AMD EPYC Zen 3; scripts/attention_ab.py measures both paths side by side).
   grouped = grouped && M * nh >= 8 * at::get_num_threads();
 #endif
   if (grouped) {

@@ -532,7 +532,8 @@ torch::Tensor dequantize(torch::Tensor packed, int64_t N, c10::optional<torch::T
   TORCH_CHECK(N <= packed.size(0) * G && N > (packed.size(0) - 1) * G, "quant.dequantize: n does not match the packed rows");
   const bool some = rows.has_value() && rows->defined();
   torch::Tensor ids = some ? rows->contiguous() : torch::Tensor();
-  if (some) TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kLong, "quant.dequantize: rows must be int64 [R]");
+  if (some) TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kLong && ids.device().is_cpu(),
+                        "quant.dequantize: rows must be int64 [R] on the CPU");
   const int64_t R = some ? ids.size(0) : N;
   const int64_t* id = some ? ids.data_ptr<int64_t>() : nullptr;
   for (int64_t i = 0; some && i < R; ++i)

@@ -39,9 +39,9 @@ def _tensor_index_reader(path: Path):
     """``gguf.GGUFReader`` over ``path`` with the metadata's arrays skipped instead of parsed.
 
     The library's reader makes numpy views of every element of every metadata array: for the bundled
-    file's tokenizer (49k tokens, 48k merges) ~250k small objects, 3.4 s and 160 MB at its peak on an
-    AMD EPYC Zen 3, most of a model load, for values no target reads (the tokenizer comes from the
-    model's own tokenizer files). This reader steps over an array by its length (a string array
+    file's tokenizer (49k tokens, 48k merges) ~250k small objects and about 3 s of every load on an AMD EPYC
+    Zen 3 (``scripts/load_memory.py`` times both readers), for values no target reads (the tokenizer comes
+    from the model's own tokenizer files). This reader steps over an array by its length (a string array
     string by string) and parses everything else with the library's own code: the scalar and string
     fields (``general.architecture``, ``general.alignment``), the tensor index and the tensors' data
     views. A file in the other byte order is parsed by the library in full."""
@@ -52,17 +52,17 @@ def _tensor_index_reader(path: Path):
 
     class TensorIndexReader(gguf.GGUFReader):
         def _build_fields(self, offs: int, count: int) -> int:
-            if self.byte_order != "I":
+            if self.byte_order != "I":  # "=" below is the host's order, which "I" says the file has
                 return super()._build_fields(offs, count)
             buf = memoryview(self.data)
             array, string = gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING
 
             def skip_array(offs: int) -> int:  # offs: at the array's item type; returns the offset past it
-                item_type, length = struct.unpack_from("<IQ", buf, offs)
+                item_type, length = struct.unpack_from("=IQ", buf, offs)
                 offs += 12
                 if item_type == string:  # each string: a uint64 length, then its bytes
                     for _ in range(length):
-                        offs += 8 + struct.unpack_from("<Q", buf, offs)[0]
+                        offs += 8 + struct.unpack_from("=Q", buf, offs)[0]
                 elif item_type == array:  # arrays of arrays, each with its own header
                     for _ in range(length):
                         offs = skip_array(offs)
@@ -72,9 +72,9 @@ def _tensor_index_reader(path: Path):
 
             for _ in range(count):
                 start = offs
-                (key_len,) = struct.unpack_from("<Q", buf, offs)
+                (key_len,) = struct.unpack_from("=Q", buf, offs)
                 offs += 8 + key_len
-                (value_type,) = struct.unpack_from("<I", buf, offs)
+                (value_type,) = struct.unpack_from("=I", buf, offs)
                 offs += 4
                 if value_type == array:
                     offs = skip_array(offs)
@@ -232,8 +232,7 @@ class QuantizedWeights(LeanWeights):
         elif from_gguf(model):
             raise DartreeError(f"{self.source.path.name}: the token embedding is not Q8_0; a target straight from the "
                                "file needs it stored as Q8_0 (load with weights='float32')")
-        # the parsed file (its tokenizer fields alone are ~150 MB of Python objects) and its mapping are
-        # dropped once every weight is packed: what stays resident is the packed weights
+        # the file's mapping is dropped once every weight is packed: what stays resident is the packed weights
         self.source = None
         self.products = weights  # "file" or "q8_0": ``product`` below, not the float kernels
 
