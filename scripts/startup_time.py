@@ -22,21 +22,6 @@ import urllib.request
 from pathlib import Path
 
 
-def wait_health(url: str, proc: subprocess.Popen, limit: float = 600.0) -> None:
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < limit:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.05)
-    raise RuntimeError("the server did not come up")
-
-
 def first_answer(url: str) -> None:
     body = json.dumps({"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 8,
                        "temperature": 0}).encode()
@@ -46,12 +31,15 @@ def first_answer(url: str) -> None:
 
 
 def one_start(command: list[str], url: str, env: dict) -> tuple[float, float, float]:
+    from dartree.bench.llama_cpp import wait_healthy
     from dartree.hardware import resident_mb
 
     t0 = time.perf_counter()
     proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        wait_health(url, proc)
+        # polled every 50 ms: llama-server is up in well under a second
+        if not wait_healthy(proc, url, tries=12000, interval=0.05):
+            raise RuntimeError(f"{command[0]} did not come up (exit code {proc.poll()})")
         healthy = time.perf_counter() - t0
         first_answer(url)
         answered = time.perf_counter() - t0

@@ -59,8 +59,8 @@ def missing() -> str | None:
     return None
 
 
-def wait_healthy(proc: subprocess.Popen, base_url: str, tries: int) -> bool:
-    """Poll a server's /health (half a second apart) until it answers 200; False when the process
+def wait_healthy(proc: subprocess.Popen, base_url: str, tries: int, interval: float = 0.5) -> bool:
+    """Poll a server's /health (``interval`` seconds apart) until it answers 200; False when the process
     exits or it does not come up in ``tries`` polls (llama-server's and dartree serve's alike)."""
     for _ in range(tries):
         if proc.poll() is not None:
@@ -70,7 +70,7 @@ def wait_healthy(proc: subprocess.Popen, base_url: str, tries: int) -> bool:
                 if r.status == 200:
                     return True
         except OSError:
-            time.sleep(0.5)
+            time.sleep(interval)
     return False
 
 

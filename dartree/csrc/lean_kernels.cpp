@@ -679,6 +679,61 @@ torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
 bool grouped_attention = true;
 void set_grouped_attention(bool on) { grouped_attention = on; }
 
+// The softmax numerators of one query, in place: its keys' scores in cache order (the committed [0, p), then its
+// visible new rows p + j) times scale, those before ``blocked`` already in s (scored in blocks by the caller), the
+// rest by dot_heads; then exp(score - max) by exp_neg_inplace. Returns their sum (sum_fixed); ``n``: the keys.
+// Every attention path takes a query's numerators here, so they agree bit for bit.
+template <typename T>
+inline T softmax_numerators(T* s, const T* q, const T* kbase, int64_t hd, int64_t p, int64_t W, const uint8_t* seen,
+                            int64_t blocked, T scale, int64_t& n) {
+  n = 0;
+  T top = -std::numeric_limits<T>::infinity();
+  auto score = [&](int64_t pos) {
+    if (n >= blocked) s[n] = dot_heads(q, kbase + pos * hd, hd) * scale;
+    top = s[n] > top ? s[n] : top;
+    ++n;
+  };
+  for (int64_t pos = 0; pos < p; ++pos) score(pos);
+  for (int64_t j = 0; j < W; ++j)
+    if (seen[j]) score(p + j);
+  exp_neg_inplace(s, n, top);
+  return sum_fixed(s, n);
+}
+
+#if defined(__AVX512F__) || defined(DARTREE_AVX2)
+// A task of the grouped attention: rows [r0, r1) of one run (one slot, one committed length), one KV head, and
+// its queries first .. first + count, query q being row r0 + q / group, head kvh * group + q % group.
+struct AttentionTask {
+  int64_t r0, r1, kvh, first, count;
+};
+
+// The runs of rows that share a slot and a committed length, each KV head's queries in tasks of ``per_task``.
+inline std::vector<AttentionTask> attention_tasks(const int64_t* sp, const int64_t* pp, int64_t M, int64_t nkv,
+                                                  int64_t group, int64_t per_task) {
+  std::vector<AttentionTask> tasks;
+  for (int64_t r0 = 0; r0 < M;) {
+    int64_t r1 = r0 + 1;
+    while (r1 < M && sp[r1] == sp[r0] && pp[r1] == pp[r0]) ++r1;
+    const int64_t queries = (r1 - r0) * group;
+    for (int64_t kvh = 0; kvh < nkv; ++kvh)
+      for (int64_t f = 0; f < queries; f += per_task) tasks.push_back({r0, r1, kvh, f, std::min(per_task, queries - f)});
+    r0 = r1;
+  }
+  return tasks;
+}
+
+// Where a task's query i reads its q, writes its output and finds the new rows it sees.
+inline void locate_queries(const AttentionTask& task, int64_t group, int64_t nh, int64_t hd, int64_t W, const float* qp,
+                           float* op, const uint8_t* vis, const float** qrow, float** orow, const uint8_t** seen) {
+  for (int64_t i = 0; i < task.count; ++i) {
+    const int64_t q = task.first + i, r = task.r0 + q / group, h = task.kvh * group + q % group;
+    qrow[i] = qp + r * nh * hd + h * hd;
+    orow[i] = op + r * nh * hd + h * hd;
+    seen[i] = vis + r * W;
+  }
+}
+#endif
+
 #if defined(__AVX512F__)
 // attention for float with head_dim 16 C, queries taken together: one task holds up to 24 / C (row, head)
 // queries that share a slot, a committed length p and a KV head (a tree's rows, a prompt chunk's), so each
@@ -692,20 +747,11 @@ void attention_grouped(const float* qp, const float* kc, const float* vc, float*
                        const uint8_t* vis, int64_t M, int64_t nh, int64_t nkv, int64_t T, int64_t W, float scale) {
   constexpr int64_t hd = 16 * C, QC = 24 / C;
   const int64_t group = nh / nkv;
-  struct Task { int64_t r0, r1, kvh, first, count; };  // rows [r0, r1) of one run; queries first .. first + count
-  std::vector<Task> tasks;
-  for (int64_t r0 = 0; r0 < M;) {
-    int64_t r1 = r0 + 1;
-    while (r1 < M && sp[r1] == sp[r0] && pp[r1] == pp[r0]) ++r1;
-    const int64_t queries = (r1 - r0) * group;  // query q: row r0 + q / group, head kvh * group + q % group
-    for (int64_t kvh = 0; kvh < nkv; ++kvh)
-      for (int64_t f = 0; f < queries; f += QC) tasks.push_back({r0, r1, kvh, f, std::min(QC, queries - f)});
-    r0 = r1;
-  }
+  const std::vector<AttentionTask> tasks = attention_tasks(sp, pp, M, nkv, group, QC);
   at::parallel_for(0, (int64_t)tasks.size(), 1, [&](int64_t a, int64_t b) {
     std::vector<float> scores;
     for (int64_t t = a; t < b; ++t) {
-      const Task& task = tasks[t];
+      const AttentionTask& task = tasks[t];
       const int64_t p = pp[task.r0], n_max = p + W;
       const float* kbase = kc + (sp[task.r0] * nkv + task.kvh) * T * hd;
       const float* vbase = vc + (sp[task.r0] * nkv + task.kvh) * T * hd;
@@ -713,14 +759,8 @@ void attention_grouped(const float* qp, const float* kc, const float* vc, float*
       const float* qrow[QC];
       float* orow[QC];
       const uint8_t* seen[QC];
-      int64_t count[QC];
       float total[QC];
-      for (int64_t i = 0; i < task.count; ++i) {
-        const int64_t q = task.first + i, r = task.r0 + q / group, h = task.kvh * group + q % group;
-        qrow[i] = qp + r * nh * hd + h * hd;
-        orow[i] = op + r * nh * hd + h * hd;
-        seen[i] = vis + r * W;
-      }
+      locate_queries(task, group, nh, hd, W, qp, op, vis, qrow, orow, seen);
       int64_t blocked = 0;
       for (; blocked + 16 <= p; blocked += 16)  // a block of 16 keys, read once for every query of the task
         for (int64_t i = 0; i < task.count; ++i) {
@@ -729,20 +769,8 @@ void attention_grouped(const float* qp, const float* kc, const float* vc, float*
           for (int k = 0; k < 16; ++k) s[k] = s[k] * scale;
         }
       for (int64_t i = 0; i < task.count; ++i) {
-        float* s = scores.data() + i * n_max;
-        int64_t n = 0;
-        float top = -std::numeric_limits<float>::infinity();
-        auto score = [&](int64_t pos) {
-          if (n >= blocked) s[n] = dot_heads(qrow[i], kbase + pos * hd, hd) * scale;
-          top = s[n] > top ? s[n] : top;
-          ++n;
-        };
-        for (int64_t pos = 0; pos < p; ++pos) score(pos);
-        for (int64_t j = 0; j < W; ++j)
-          if (seen[i][j]) score(p + j);
-        exp_neg_inplace(s, n, top);
-        total[i] = sum_fixed(s, n);
-        count[i] = n;
+        int64_t n;
+        total[i] = softmax_numerators(scores.data() + i * n_max, qrow[i], kbase, hd, p, W, seen[i], blocked, scale, n);
       }
       __m512 acc[QC][C];
 #pragma GCC unroll 24
@@ -797,21 +825,12 @@ void attention_grouped(const float* qp, const float* kc, const float* vc, float*
   // Fewer queries a task where there are few in all (about two tasks a thread), so that every thread gets some;
   // which task takes a query never changes its bits.
   const int64_t per_task = std::max<int64_t>(1, std::min<int64_t>(QC, M * nh / (2 * at::get_num_threads())));
-  struct Task { int64_t r0, r1, kvh, first, count; };  // rows [r0, r1) of one run; queries first .. first + count
-  std::vector<Task> tasks;
-  for (int64_t r0 = 0; r0 < M;) {
-    int64_t r1 = r0 + 1;
-    while (r1 < M && sp[r1] == sp[r0] && pp[r1] == pp[r0]) ++r1;
-    const int64_t queries = (r1 - r0) * group;  // query q: row r0 + q / group, head kvh * group + q % group
-    for (int64_t kvh = 0; kvh < nkv; ++kvh)
-      for (int64_t f = 0; f < queries; f += per_task) tasks.push_back({r0, r1, kvh, f, std::min(per_task, queries - f)});
-    r0 = r1;
-  }
+  const std::vector<AttentionTask> tasks = attention_tasks(sp, pp, M, nkv, group, per_task);
   at::parallel_for(0, (int64_t)tasks.size(), 1, [&](int64_t a, int64_t b) {
     std::vector<float> scores;
     alignas(32) float acc[QC][hd];
     for (int64_t t = a; t < b; ++t) {
-      const Task& task = tasks[t];
+      const AttentionTask& task = tasks[t];
       const int64_t p = pp[task.r0], n_max = p + W, blocked = p / 4 * 4;  // score_committed's fours
       const float* kbase = kc + (sp[task.r0] * nkv + task.kvh) * T * hd;
       const float* vbase = vc + (sp[task.r0] * nkv + task.kvh) * T * hd;
@@ -820,12 +839,7 @@ void attention_grouped(const float* qp, const float* kc, const float* vc, float*
       float* orow[QC];
       const uint8_t* seen[QC];
       float total[QC];
-      for (int64_t i = 0; i < task.count; ++i) {
-        const int64_t q = task.first + i, r = task.r0 + q / group, h = task.kvh * group + q % group;
-        qrow[i] = qp + r * nh * hd + h * hd;
-        orow[i] = op + r * nh * hd + h * hd;
-        seen[i] = vis + r * W;
-      }
+      locate_queries(task, group, nh, hd, W, qp, op, vis, qrow, orow, seen);
       for (int64_t k0 = 0; k0 < blocked; k0 += KB)  // a block of keys, read once from L2 for every query of the task
         for (int64_t i = 0; i < task.count; ++i)
           for (int64_t k = k0; k < std::min(k0 + KB, blocked); k += 4) {
@@ -834,19 +848,8 @@ void attention_grouped(const float* qp, const float* kc, const float* vc, float*
             for (int j = 0; j < 4; ++j) s[j] = s[j] * scale;
           }
       for (int64_t i = 0; i < task.count; ++i) {
-        float* s = scores.data() + i * n_max;
-        int64_t n = 0;
-        float top = -std::numeric_limits<float>::infinity();
-        auto score = [&](int64_t pos) {
-          if (n >= blocked) s[n] = dot_heads(qrow[i], kbase + pos * hd, hd) * scale;
-          top = s[n] > top ? s[n] : top;
-          ++n;
-        };
-        for (int64_t pos = 0; pos < p; ++pos) score(pos);
-        for (int64_t j = 0; j < W; ++j)
-          if (seen[i][j]) score(p + j);
-        exp_neg_inplace(s, n, top);
-        total[i] = sum_fixed(s, n);
+        int64_t n;
+        total[i] = softmax_numerators(scores.data() + i * n_max, qrow[i], kbase, hd, p, W, seen[i], blocked, scale, n);
         for (int64_t d = 0; d < hd; ++d) acc[i][d] = 0.0f;
       }
       for (int64_t k0 = 0; k0 < p; k0 += KB) {  // a block of committed values, likewise
@@ -935,14 +938,9 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor kcache, torch::Tensor vca
         const scalar_t* kbase = kc + (sp[r] * nkv + kvh) * T * hd;
         const scalar_t* vbase = vc + (sp[r] * nkv + kvh) * T * hd;
         if ((int64_t)scores.size() < p + W) scores.resize(p + W);
-        scalar_t top = -std::numeric_limits<scalar_t>::infinity();
         const int64_t blocked = score_committed(qrow, kbase, hd, p, scalar_t(scale), scores.data());
-        const int64_t n = each_key([&](int64_t i, int64_t pos) {
-          if (i >= blocked) scores[i] = dot_heads(qrow, kbase + pos * hd, hd) * scalar_t(scale);
-          top = scores[i] > top ? scores[i] : top;
-        });
-        exp_neg_inplace(scores.data(), n, top);
-        const scalar_t total = sum_fixed(scores.data(), n);
+        int64_t n;
+        const scalar_t total = softmax_numerators(scores.data(), qrow, kbase, hd, p, W, seen, blocked, scalar_t(scale), n);
         scalar_t* o = op + r * nh * hd + h * hd;
         weighted_values(scores.data(), vbase, each_key, total, o, acc.data(), hd);
       }
