@@ -137,6 +137,15 @@ def follow_tree(tree: DraftTree, choices: torch.Tensor) -> tuple[list[int], int]
     return walk(tree, lambda rows: choices[rows].tolist())
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)`` (the first of equal maxima, as torch's): on the CPU in float32/float64 by numpy,
+    whose argmax over a 49k-token row takes ~5 us where torch's took 55-80 (an AMD EPYC Zen 3, 2 threads):
+    a one-row step's choice is then ~0.1 % of the step instead of ~1.5 %."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64) and not logits.requires_grad:
+        return torch.from_numpy(numpy.ascontiguousarray(logits.numpy()).argmax(-1))
+    return logits.argmax(-1)
+
+
 class Sampler:
     """The target's own choice: argmax at temperature 0, else a sample after temperature/top-k/top-p.
 
@@ -191,7 +200,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, positions: list[int]) -> torch.Tensor:
         """The choices [n] for logits [n, V] of the tokens at ``positions`` [n]."""
         if self.greedy:
-            return logits.argmax(-1)
+            return argmax_rows(logits)
         cdf = self.probabilities(logits).cumsum(-1)
         u = torch.tensor([self.uniform(p) for p in positions], dtype=torch.float64, device=cdf.device)
         # Scaled by the total so that rounding in the cumulative sum cannot step past the last token.

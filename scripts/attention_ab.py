@@ -4,6 +4,12 @@ model's forward over 1, 4 and 16 rows (its Python layer loop, which calls the sa
 
     .venv/bin/python scripts/attention_ab.py [--threads 2] > docs/results/<folder>/attention-ab.txt
 
+With ``--against REV`` it compares instead this checkout's kernel source with the one at git revision ``REV`` (built
+beside it into ``.cache/kernels-ab/``), kernel alone, side by side in one process, head_dim 64 and 128, and checks
+that the two builds give the same bits:
+
+    .venv/bin/python scripts/attention_ab.py --against HEAD~1 > docs/results/<folder>/attention-build-ab.txt
+
 Both paths give the same bits (tests/test_lean.py); this measures only their time. Medians of interleaved repeats,
 each path first in turn. Where both sides run the same code (a one-row step on 2 threads keeps the per-query
 path) the ratio shows the measurement's own noise.
@@ -12,8 +18,11 @@ path) the ratio shows the measurement's own noise.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import statistics
+import subprocess
 import time
+from pathlib import Path
 
 import torch
 
@@ -25,10 +34,51 @@ def median_us(fn, reps: int) -> float:
     return (time.perf_counter() - t0) / reps * 1e6
 
 
+def build_at(revision: str):
+    """The lean kernels' source at git ``revision``, built beside this checkout's (a module of its own name)."""
+    from dartree import kernels
+    from dartree.default_model import cache_root
+
+    root = Path(__file__).resolve().parents[1]
+    text = subprocess.run(["git", "show", f"{revision}:dartree/csrc/lean_kernels.cpp"], cwd=root, check=True,
+                          capture_output=True, text=True).stdout
+    folder = cache_root() / "kernels-ab"
+    folder.mkdir(parents=True, exist_ok=True)
+    source = folder / f"lean_kernels_{hashlib.sha256(text.encode()).hexdigest()[:12]}.cpp"
+    if not source.exists():
+        source.write_text(text)
+    return kernels.build_extension(source, "kernels-ab", "dartree_lean_kernels_ab", f"the kernels at {revision}",
+                                   ("-DDARTREE_AB_BUILD",))
+
+
+def compare_builds(ext, other, revision: str, repeats: int) -> None:
+    """This checkout's attention kernel against ``revision``'s, interleaved, each first in turn; same bits asserted."""
+    print(f"\nthe kernel alone, this checkout against {revision} (9 query heads over 3 K/V heads), microseconds a call:")
+    heads, kv_heads = 9, 3
+    for head_dim in (64, 128):
+        k = torch.randn(1, kv_heads, 1024, head_dim)
+        v = torch.randn(1, kv_heads, 1024, head_dim)
+        for context in (256, 768):
+            for rows in (1, 4, 16):
+                q = torch.randn(rows, heads * head_dim)
+                call = (q, k, v, torch.zeros(rows, dtype=torch.long), torch.full((rows,), context, dtype=torch.long),
+                        torch.tril(torch.ones(rows, rows, dtype=torch.uint8)).contiguous(), heads, head_dim ** -0.5)
+                assert torch.equal(ext.attention(*call), other.attention(*call)), (head_dim, context, rows)
+                times = {0: [], 1: []}
+                for repeat in range(repeats):
+                    for side in ((0, 1) if repeat % 2 else (1, 0)):
+                        module = (ext, other)[side]
+                        times[side].append(median_us(lambda: module.attention(*call), max(20, 400 // rows)))
+                new, old = statistics.median(times[0]), statistics.median(times[1])
+                print(f"  head_dim {head_dim:3d}, context {context:4d}, {rows:2d} rows: this checkout {new:7.1f}, "
+                      f"{revision} {old:7.1f} (x{old / new:.2f}); the same bits")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--against", metavar="REV", help="compare this checkout's kernel build with git revision REV's")
     args = parser.parse_args()
     import dartree
     from dartree import kernels
@@ -40,6 +90,9 @@ def main() -> None:
     set_threads(args.threads)
     ext = kernels.load()
     print(f"machine: {describe_machine()}; {args.threads} threads")
+    if args.against:
+        compare_builds(ext, build_at(args.against), args.against, args.repeats)
+        return
     print("\nthe kernel alone (SmolLM2's 9 query heads over 3 K/V heads, head_dim 64), microseconds a call:")
     heads, kv_heads, head_dim = 9, 3, 64
     k = torch.randn(1, kv_heads, 1024, head_dim)

@@ -230,3 +230,20 @@ def test_reduced_vocabulary_trees_hold_target_ids_of_the_draft_vocabulary(reduce
     for method in ("dflash", "ddtree", "domino", "heap", "dartree"):
         tree = make_builder(method, TreeSettings(budget=16)).build_tree(draft, pipe.head)
         assert len(tree) > 0 and set(tree.tokens.tolist()) <= allowed, method
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.integers(1, 5), width=st.integers(1, 70), dtype=st.sampled_from(["float32", "float64"]),
+       values=st.lists(st.sampled_from([0.0, 1.0, -1.0, 2.5, float("inf"), float("-inf"), float("nan"), 1e-30]),
+                       min_size=1, max_size=350),
+       transposed=st.booleans())
+def test_the_samplers_argmax_is_torchs(rows, width, dtype, values, transposed):
+    """``verify.argmax_rows`` (numpy's argmax on the CPU) picks torch's index on every row: the first of equal
+    maxima, a NaN wherever torch picks one, -inf rows at 0, float32 and float64, a non-contiguous view."""
+    import torch
+
+    from dartree.verify import argmax_rows
+
+    flat = torch.tensor((values * (rows * width // len(values) + 1))[:rows * width], dtype=getattr(torch, dtype))
+    logits = flat.view(width, rows).t() if transposed else flat.view(rows, width)
+    assert torch.equal(argmax_rows(logits), logits.argmax(-1))
