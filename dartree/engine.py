@@ -65,6 +65,7 @@ class GenerationStats:
     stage_ms: dict[str, float] = field(default_factory=dict)  # ms by stage: "prefill" and ROUND_STAGES
     tree_sizes: list[int] = field(default_factory=list)
     drafted: list[bool] = field(default_factory=list)  # per round: whether the proposer was called (False: a plain step or a free tree)
+    output_rows: int = 0  # rows of the target's output layer computed (a grammar's one allowed token needs none)
     finish_reason: str | None = None
 
     @property
@@ -86,6 +87,7 @@ class GenerationStats:
             "decode_seconds": self.decode_seconds,
             "stage_ms": dict(self.stage_ms),
             "mean_tree_size": sum(self.tree_sizes) / max(len(self.tree_sizes), 1),
+            "output_rows": self.output_rows,
             "finish_reason": self.finish_reason,
         }
 
@@ -148,6 +150,14 @@ class Request:
         if self.constraint is not None:
             logits = self.constraint.mask(logits, paths)
         return self.sampler(logits, positions)
+
+    def decided(self, rows: list[int], paths: list[tuple[int, ...]]) -> dict[int, int]:
+        """The rows (of ``rows``, whose draft paths are ``paths[row]``) where the request's grammar allows one
+        token: the target's choice there whatever its logits, so their output-layer rows need not be computed."""
+        if self.constraint is None or not rows:
+            return {}
+        found = self.constraint.decided([paths[row] for row in rows])
+        return {row: token for row, token in zip(rows, found) if token is not None}
 
     def emit(self, tokens: list[int]) -> None:
         # a round may verify past max_new_tokens: what lies beyond (a stop token, the grammar's end) is not written
@@ -217,6 +227,7 @@ class Lane:
     asked: list[int] = field(default_factory=list)  # rows whose choices its walk waits for
     paths: list[tuple[int, ...]] | None = None  # with a constraint: each row's draft tokens (its grammar state)
     after: list[int] = field(default_factory=list)  # row i chooses the token at position after[i]
+    decided: dict[int, int] = field(default_factory=dict)  # rows whose choice the grammar makes alone (no logits)
     accepted: tuple[list[int], int] | None = None  # the walk's result: accepted rows, next bonus
 
     @property
@@ -426,11 +437,20 @@ def verify(state: RoundState) -> torch.Tensor | None:
     for ln in lanes:
         ln.part, ln.asked = _rows(state, ln)
         ln.start = target.slot_length(ln.request.slot)
+        if ln.decoding:
+            ln.after = (ln.request.position + 1 + ln.part.depths).tolist()  # row i chooses the token after it
+            ln.paths = [()] + ln.tree.node_paths() if ln.request.constraint is not None else None
+            try:
+                ln.asked = _needs_logits(ln, ln.asked)
+            except Exception:  # noqa: BLE001 - its logits are computed; its walk meets the grammar's error and ends it alone
+                ln.decided = {}
     target.capture = bool(target.tapped_layers) and any(_reads_tapped_states(ln.request) for ln in lanes)
     for ln, (hidden, tapped) in zip(lanes, target.forward_parts([ln.part for ln in lanes])):
         ln.hidden, ln.tapped_states = hidden, tapped
     gathered = [ln.hidden[ln.asked] for ln in lanes if ln.asked]
     logits = target.lm_head(torch.cat(gathered)) if gathered else None
+    for ln in lanes:
+        ln.request.stats.output_rows += len(ln.asked)
     state.clock.lap("verify")
     if state.costs is not None:  # what the calibration timed: a forward with its first output-layer rows
         state.costs.observe("verify", state.costs.calibrated_verify(sum(ln.part.tokens.numel() for ln in lanes)),
@@ -467,10 +487,23 @@ def _advance(ln: Lane, choices: list[int] | None) -> bool:
         return False
 
 
-def _choose(ln: Lane, logits: torch.Tensor) -> torch.Tensor:
-    """The lane's request's choices at the rows its walk asked for."""
-    paths = [ln.paths[i] for i in ln.asked] if ln.paths is not None else []
-    return ln.request.choose(logits, paths, [ln.after[i] for i in ln.asked])
+def _needs_logits(ln: Lane, rows: list[int]) -> list[int]:
+    """Of ``rows``, those whose choice needs the target's logits; the others' choices (the grammar's one allowed
+    token) go to ``ln.decided``."""
+    if ln.paths is None:
+        return rows
+    ln.decided.update(ln.request.decided(rows, ln.paths))
+    return [row for row in rows if row not in ln.decided]
+
+
+def _choose(ln: Lane, rows: list[int], logits: torch.Tensor | None) -> list[int]:
+    """The lane's request's choices at ``rows`` (logits: those of the rows the grammar does not decide, in order)."""
+    need = [row for row in rows if row not in ln.decided]
+    chosen = {}
+    if need:
+        paths = [ln.paths[i] for i in need] if ln.paths is not None else []
+        chosen = dict(zip(need, ln.request.choose(logits, paths, [ln.after[i] for i in need]).tolist()))
+    return [ln.decided[row] if row in ln.decided else chosen[row] for row in rows]
 
 
 def walk(state: RoundState, logits: torch.Tensor | None) -> None:
@@ -485,20 +518,30 @@ def walk(state: RoundState, logits: torch.Tensor | None) -> None:
             if not ln.decoding:
                 _take_prompt(state.target, ln, first)
                 continue
-            ln.after = (ln.request.position + 1 + ln.part.depths).tolist()  # row i chooses the token after it
-            ln.paths = [()] + ln.tree.node_paths() if ln.request.constraint is not None else None
-            known = dict(zip(ln.asked, _choose(ln, first).tolist()))
+            known = dict(zip(ln.asked, _choose(ln, ln.asked, first))) if ln.asked else {}
+            known.update(ln.decided)
             ln.walk = walk_steps(ln.tree, known)
             if _advance(ln, None):
                 asking.append(ln)
         except Exception as exc:  # noqa: BLE001 - this request ends with its error; the others go on
             ln.fail(exc)
     while asking:
-        more, at, still = state.target.lm_head(torch.cat([ln.hidden[ln.asked] for ln in asking])), 0, []
+        need = []
         for ln in asking:
-            rows, at = more[at:at + len(ln.asked)], at + len(ln.asked)
             try:
-                if _advance(ln, _choose(ln, rows).tolist()):
+                need.append(_needs_logits(ln, ln.asked))
+            except Exception as exc:  # noqa: BLE001 - this request ends with its error; the others go on
+                ln.fail(exc)
+                need.append(None)
+        gathered = [ln.hidden[rows] for ln, rows in zip(asking, need) if rows]
+        more, at, still = state.target.lm_head(torch.cat(gathered)) if gathered else None, 0, []
+        for ln, rows in zip(asking, need):
+            if rows is None:
+                continue
+            ln.request.stats.output_rows += len(rows)
+            logits_rows, at = (more[at:at + len(rows)] if rows else None), at + len(rows)
+            try:
+                if _advance(ln, _choose(ln, ln.asked, logits_rows)):
                     still.append(ln)
             except Exception as exc:  # noqa: BLE001 - this request ends with its error; the others go on
                 ln.fail(exc)
@@ -660,6 +703,7 @@ def reference_round(target: Target, r: Request) -> None:
         _keep(target, r, start, tokens, tapped, list(range(tokens.numel())))
         r.prefilled += tokens.numel()
         if r.prefilled == r.prompt_ids.numel():
+            r.stats.output_rows += 1
             r.bonus = int(r.choose(target.lm_head(hidden[-1:]), [()], [r.prompt_ids.numel()])[0])
             if r.policy is not None:
                 r.policy.start_request()
@@ -692,8 +736,16 @@ def reference_round(target: Target, r: Request) -> None:
     ((hidden, tapped),) = target.forward_parts([Part(r.slot, tokens, depths, ancestor_matrix(tree))])
     after = (r.position + 1 + depths).tolist()
     paths = [()] + tree.node_paths()
-    accepted, bonus = verify_walk(tree, lambda rows: r.choose(target.lm_head(hidden[rows]), [paths[i] for i in rows],
-                                                              [after[i] for i in rows]).tolist())
+
+    def choose(rows: list[int]) -> list[int]:  # as ``walk``: no output-layer row where the grammar allows one token
+        decided = r.decided(rows, paths)
+        need = [i for i in rows if i not in decided]
+        r.stats.output_rows += len(need)
+        chosen = dict(zip(need, r.choose(target.lm_head(hidden[need]), [paths[i] for i in need],
+                                         [after[i] for i in need]).tolist())) if need else {}
+        return [decided[i] if i in decided else chosen[i] for i in rows]
+
+    accepted, bonus = verify_walk(tree, choose)
     _keep(target, r, start, tokens, tapped, accepted)
     if r.policy is not None and drafted:
         r.policy.observe(tree, accepted)

@@ -173,6 +173,8 @@ class Constraint:
         self._bitmask = llt.allocate_token_bitmask(1, vocab_size)
         self._fill = llt.fill_next_token_bitmask
         self._forced: list[int] | None = None  # the forced run after the committed text (None: not asked yet)
+        # the allowed tokens after each path asked about since the last commit (None: the path leaves the grammar)
+        self._after: dict[tuple[int, ...], torch.Tensor | None] = {}
 
     def _allowed(self) -> torch.Tensor:
         """The tokens the grammar allows now, [V] bool (bit k of the mask's byte j is token 8j + k; numpy
@@ -183,13 +185,13 @@ class Constraint:
             bits = torch.cat([bits, bits.new_zeros(self.vocab_size - bits.numel())])
         return bits[:self.vocab_size]
 
-    def mask(self, logits: torch.Tensor, paths: list[tuple[int, ...]]) -> torch.Tensor:
-        """``logits`` [n, V] with the tokens the grammar forbids after each row's path at -inf. A row
-        whose path leaves the grammar is never on an accepted path (every committed token was allowed),
-        so its logits are left as they are."""
-        allowed = torch.ones(logits.shape, dtype=torch.bool)
+    def _allowed_after(self, paths: list[tuple[int, ...]]) -> list[torch.Tensor | None]:
+        """The tokens the grammar allows after each path ([V] bool), None where the path leaves the grammar;
+        each path's mask computed once between two commits (``decided`` and ``mask`` of a round share them)."""
         held: list[int] = []  # the tokens consumed beyond the committed text, as the walk's rows share prefixes
-        for i, path in enumerate(paths):
+        for path in paths:
+            if path in self._after:
+                continue
             shared = 0
             while shared < min(len(held), len(path)) and held[shared] == path[shared]:
                 shared += 1
@@ -199,10 +201,32 @@ class Constraint:
             rest = list(path[shared:])
             taken = self.matcher.try_consume_tokens(rest) if rest else 0
             held += rest[:taken]
-            if taken == len(rest):
-                allowed[i] = self._allowed()
+            self._after[path] = self._allowed() if taken == len(rest) else None
         if held:
             self.matcher.rollback(len(held))
+        return [self._after[path] for path in paths]
+
+    def decided(self, paths: list[tuple[int, ...]]) -> list[int | None]:
+        """Per path, the one token the grammar allows after it, or None (several allowed, or the path leaves
+        the grammar). Where the grammar allows one token the target's choice is that token, whatever its
+        logits and at any temperature (every other token has probability 0): the round skips the output
+        layer's row there (``engine``)."""
+        out: list[int | None] = []
+        for allowed in self._allowed_after(paths):
+            if allowed is None or int(torch.count_nonzero(allowed)) != 1:
+                out.append(None)
+            else:
+                out.append(int(allowed.nonzero()[0, 0]))
+        return out
+
+    def mask(self, logits: torch.Tensor, paths: list[tuple[int, ...]]) -> torch.Tensor:
+        """``logits`` [n, V] with the tokens the grammar forbids after each row's path at -inf. A row
+        whose path leaves the grammar is never on an accepted path (every committed token was allowed),
+        so its logits are left as they are."""
+        allowed = torch.ones(logits.shape, dtype=torch.bool)
+        for i, after in enumerate(self._allowed_after(paths)):
+            if after is not None:
+                allowed[i] = after
         return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
     def forced(self) -> list[int]:
@@ -285,6 +309,7 @@ class Constraint:
         """Committed tokens (each was allowed when chosen), up to where the structure is complete: the
         ones a round verified past that point are dropped, as ``ar`` would never have written them."""
         self._forced = None
+        self._after.clear()
         for i, token in enumerate(tokens):
             if self.done:
                 return tokens[:i]

@@ -71,7 +71,7 @@ def test_the_reference_round_gives_the_batched_rounds_tokens_and_stats(lean_pipe
     run_alone(lean_pipe.target, batched)
     run_reference(lean_pipe.target, reference)
     assert reference.output == batched.output
-    for stat in ("acceptance_lengths", "tree_sizes", "drafted", "finish_reason", "new_tokens", "rounds"):
+    for stat in ("acceptance_lengths", "tree_sizes", "drafted", "finish_reason", "new_tokens", "rounds", "output_rows"):
         assert getattr(reference.stats, stat) == getattr(batched.stats, stat), stat
 
 

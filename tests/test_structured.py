@@ -73,6 +73,9 @@ def test_forced_tokens_are_accepted_for_free_and_pruned_nodes_cost_no_row(pipeli
     tree = pipe.generate(input_ids=[1, 2], method="dartree", budget=8, max_new_tokens=20, response_format=fmt,
                          stop_token_ids=[0])
     assert tree.token_ids == ar.token_ids and ar.stats.rounds == len(ar.token_ids) - 1  # the first comes with the prompt
+    # the first token comes from the prompt's last row ("a" or "c"); every later one is the grammar's only
+    # allowed token (the rest of "ab1212121212", then the end), chosen without an output-layer row
+    assert ar.stats.output_rows == tree.stats.output_rows == 1, (ar.stats.output_rows, tree.stats.output_rows)
     if ar.token_ids[0] == 1:  # "ab1212121212": after "a" the rest is forced
         assert tree.stats.rounds <= 3
     constraint = Constraint(grammars.compile(OutputFormat.parse({"regex": "(ab|c)+"})), VOCAB)
@@ -82,6 +85,29 @@ def test_forced_tokens_are_accepted_for_free_and_pruned_nodes_cost_no_row(pipeli
     drafted.rank = torch.tensor([4, 0, 1, 2, 3])
     pruned = constraint.prune(drafted)
     assert pruned.paths() == {(1,), (3,), (1, 2), (1, 2, 1)} and pruned.rank.tolist() == [0, 1, 2, 3]
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt=st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=6), fmt=st.sampled_from(FORMATS),
+       method=st.sampled_from(METHODS), temperature=st.sampled_from([0.0, 1.0]))
+def test_the_reference_round_skips_the_same_output_rows_under_a_grammar(pipelines, grammars, prompt, fmt, method,
+                                                                       temperature):
+    """Where the grammar allows one token the round takes it without the output layer's row, in the batched
+    round as in the reference round: the same tokens, the same rounds, the same output-layer rows (at T = 0 and
+    at T > 0, where a point mass is sampled as its token whatever the draw)."""
+    from dartree.engine import run_alone, run_reference
+    from dartree.settings import GenerationSettings
+
+    pipe = with_grammars(pipelines[("llama", "domino")], grammars)
+    settings_ = GenerationSettings.from_kwargs(None, method=method, budget=6, temperature=temperature, seed=1,
+                                               max_new_tokens=16).validate()
+    batched, reference = (pipe.request(torch.tensor(prompt), settings_, [0], alone=False, response_format=fmt)
+                          for _ in range(2))
+    run_alone(pipe.target, batched)
+    run_reference(pipe.target, reference)
+    assert reference.output == batched.output
+    for stat in ("acceptance_lengths", "tree_sizes", "rounds", "output_rows"):
+        assert getattr(reference.stats, stat) == getattr(batched.stats, stat), stat
 
 
 def test_a_constrained_request_and_free_ones_share_rounds_each_as_alone(pipelines, grammars):
