@@ -151,8 +151,8 @@ class Request:
             logits = self.constraint.mask(logits, paths)
         return self.sampler(logits, positions)
 
-    def decided(self, rows: list[int], paths: list[tuple[int, ...]]) -> dict[int, int]:
-        """The rows (of ``rows``, whose draft paths are ``paths[row]``) where the request's grammar allows one
+    def decided(self, rows: list[int], paths) -> dict[int, int]:
+        """The rows (of ``rows``, whose draft paths are ``paths[row]``: a list or a dict) where the request's grammar allows one
         token: the target's choice there whatever its logits, so their output-layer rows need not be computed."""
         if self.constraint is None or not rows:
             return {}
@@ -444,6 +444,12 @@ def verify(state: RoundState) -> torch.Tensor | None:
                 ln.asked = _needs_logits(ln, ln.asked)
             except Exception:  # noqa: BLE001 - its logits are computed; its walk meets the grammar's error and ends it alone
                 ln.decided = {}
+        elif ln.asked and ln.request.constraint is not None:  # the prompt's last row: the first token, maybe the grammar's only one
+            try:
+                ln.decided = ln.request.decided(ln.asked, {ln.asked[0]: ()})
+            except Exception:  # noqa: BLE001 - as above: its choice meets the error and ends it alone
+                ln.decided = {}
+            ln.asked = [row for row in ln.asked if row not in ln.decided]
     target.capture = bool(target.tapped_layers) and any(_reads_tapped_states(ln.request) for ln in lanes)
     for ln, (hidden, tapped) in zip(lanes, target.forward_parts([ln.part for ln in lanes])):
         ln.hidden, ln.tapped_states = hidden, tapped
@@ -468,8 +474,8 @@ def _take_prompt(target: Target, ln: Lane, logits: torch.Tensor | None) -> None:
     n = ln.part.tokens.numel()
     commit(target, ln, list(range(n)))
     r.prefilled += n
-    if logits is not None:
-        r.bonus = int(r.choose(logits, [()], [r.prompt_ids.numel()])[0])
+    if logits is not None or ln.decided:
+        r.bonus = next(iter(ln.decided.values())) if ln.decided else int(r.choose(logits, [()], [r.prompt_ids.numel()])[0])
         if r.policy is not None:
             r.policy.start_request()
         r.emit([r.bonus])
@@ -703,8 +709,9 @@ def reference_round(target: Target, r: Request) -> None:
         _keep(target, r, start, tokens, tapped, list(range(tokens.numel())))
         r.prefilled += tokens.numel()
         if r.prefilled == r.prompt_ids.numel():
-            r.stats.output_rows += 1
-            r.bonus = int(r.choose(target.lm_head(hidden[-1:]), [()], [r.prompt_ids.numel()])[0])
+            decided = r.decided([0], {0: ()})  # as ``verify``: the grammar's only first token needs no output row
+            r.stats.output_rows += 0 if decided else 1
+            r.bonus = decided[0] if decided else int(r.choose(target.lm_head(hidden[-1:]), [()], [r.prompt_ids.numel()])[0])
             if r.policy is not None:
                 r.policy.start_request()
             r.emit([r.bonus])

@@ -76,6 +76,12 @@ def test_forced_tokens_are_accepted_for_free_and_pruned_nodes_cost_no_row(pipeli
     # the first token comes from the prompt's last row ("a" or "c"); every later one is the grammar's only
     # allowed token (the rest of "ab1212121212", then the end), chosen without an output-layer row
     assert ar.stats.output_rows == tree.stats.output_rows == 1, (ar.stats.output_rows, tree.stats.output_rows)
+    # a text the grammar fixes from its first token: `ar` computes no output-layer row at all; a tree may verify a
+    # row past the text's end (after the end token), whose path the grammar no longer reads: its row is computed
+    for method, rows in (("ar", 0), ("dartree", 1)):
+        fixed = pipe.generate(input_ids=[1, 2], method=method, budget=8, max_new_tokens=20, response_format={"regex": "ab12c"},
+                              stop_token_ids=[0])
+        assert fixed.token_ids == [1, 2, 6, 7, 3] and fixed.stats.output_rows <= rows, (method, fixed.stats.output_rows)
     if ar.token_ids[0] == 1:  # "ab1212121212": after "a" the rest is forced
         assert tree.stats.rounds <= 3
     constraint = Constraint(grammars.compile(OutputFormat.parse({"regex": "(ab|c)+"})), VOCAB)
