@@ -151,6 +151,16 @@ class Request:
             logits = self.constraint.mask(logits, paths)
         return self.sampler(logits, positions)
 
+    def choices(self, rows: list[int], decided: dict[int, int], logits: torch.Tensor | None, paths, after) -> list[int]:
+        """The choices at ``rows``: ``decided``'s where the grammar makes them, else from ``logits`` (those of the
+        other rows, in order), each row choosing the token at ``after[row]`` after its path ``paths[row]``."""
+        need = [row for row in rows if row not in decided]
+        chosen = {}
+        if need:
+            row_paths = [paths[i] for i in need] if paths is not None else []
+            chosen = dict(zip(need, self.choose(logits, row_paths, [after[i] for i in need]).tolist()))
+        return [decided[row] if row in decided else chosen[row] for row in rows]
+
     def decided(self, rows: list[int], paths) -> dict[int, int]:
         """The rows (of ``rows``, whose draft paths are ``paths[row]``: a list or a dict) where the request's grammar allows one
         token: the target's choice there whatever its logits, so their output-layer rows need not be computed."""
@@ -225,7 +235,7 @@ class Lane:
     tapped_states: torch.Tensor | None = None  # the tapped layers' states of its rows
     walk: Generator | None = None  # ``verify.walk_steps`` of its tree
     asked: list[int] = field(default_factory=list)  # rows whose choices its walk waits for
-    paths: list[tuple[int, ...]] | None = None  # with a constraint: each row's draft tokens (its grammar state)
+    paths: list[tuple[int, ...]] | dict[int, tuple[int, ...]] | None = None  # with a constraint: rows' draft tokens (grammar state)
     after: list[int] = field(default_factory=list)  # row i chooses the token at position after[i]
     decided: dict[int, int] = field(default_factory=dict)  # rows whose choice the grammar makes alone (no logits)
     accepted: tuple[list[int], int] | None = None  # the walk's result: accepted rows, next bonus
@@ -440,16 +450,12 @@ def verify(state: RoundState) -> torch.Tensor | None:
         if ln.decoding:
             ln.after = (ln.request.position + 1 + ln.part.depths).tolist()  # row i chooses the token after it
             ln.paths = [()] + ln.tree.node_paths() if ln.request.constraint is not None else None
-            try:
-                ln.asked = _needs_logits(ln, ln.asked)
-            except Exception:  # noqa: BLE001 - its logits are computed; its walk meets the grammar's error and ends it alone
-                ln.decided = {}
-        elif ln.asked and ln.request.constraint is not None:  # the prompt's last row: the first token, maybe the grammar's only one
-            try:
-                ln.decided = ln.request.decided(ln.asked, {ln.asked[0]: ()})
-            except Exception:  # noqa: BLE001 - as above: its choice meets the error and ends it alone
-                ln.decided = {}
-            ln.asked = [row for row in ln.asked if row not in ln.decided]
+        elif ln.asked and ln.request.constraint is not None:  # the prompt's last row chooses the first token
+            ln.paths = {ln.asked[0]: ()}
+        try:
+            ln.asked = _needs_logits(ln, ln.asked)
+        except Exception:  # noqa: BLE001 - its logits are computed; its choice meets the grammar's error and ends it alone
+            ln.decided = {}
     target.capture = bool(target.tapped_layers) and any(_reads_tapped_states(ln.request) for ln in lanes)
     for ln, (hidden, tapped) in zip(lanes, target.forward_parts([ln.part for ln in lanes])):
         ln.hidden, ln.tapped_states = hidden, tapped
@@ -475,7 +481,7 @@ def _take_prompt(target: Target, ln: Lane, logits: torch.Tensor | None) -> None:
     commit(target, ln, list(range(n)))
     r.prefilled += n
     if logits is not None or ln.decided:
-        r.bonus = next(iter(ln.decided.values())) if ln.decided else int(r.choose(logits, [()], [r.prompt_ids.numel()])[0])
+        r.bonus = ln.decided[n - 1] if ln.decided else int(r.choose(logits, [()], [r.prompt_ids.numel()])[0])
         if r.policy is not None:
             r.policy.start_request()
         r.emit([r.bonus])
@@ -504,12 +510,7 @@ def _needs_logits(ln: Lane, rows: list[int]) -> list[int]:
 
 def _choose(ln: Lane, rows: list[int], logits: torch.Tensor | None) -> list[int]:
     """The lane's request's choices at ``rows`` (logits: those of the rows the grammar does not decide, in order)."""
-    need = [row for row in rows if row not in ln.decided]
-    chosen = {}
-    if need:
-        paths = [ln.paths[i] for i in need] if ln.paths is not None else []
-        chosen = dict(zip(need, ln.request.choose(logits, paths, [ln.after[i] for i in need]).tolist()))
-    return [ln.decided[row] if row in ln.decided else chosen[row] for row in rows]
+    return ln.request.choices(rows, ln.decided, logits, ln.paths, ln.after)
 
 
 def walk(state: RoundState, logits: torch.Tensor | None) -> None:
@@ -748,9 +749,7 @@ def reference_round(target: Target, r: Request) -> None:
         decided = r.decided(rows, paths)
         need = [i for i in rows if i not in decided]
         r.stats.output_rows += len(need)
-        chosen = dict(zip(need, r.choose(target.lm_head(hidden[need]), [paths[i] for i in need],
-                                         [after[i] for i in need]).tolist())) if need else {}
-        return [decided[i] if i in decided else chosen[i] for i in rows]
+        return r.choices(rows, decided, target.lm_head(hidden[need]) if need else None, paths, after)
 
     accepted, bonus = verify_walk(tree, choose)
     _keep(target, r, start, tokens, tapped, accepted)
