@@ -285,7 +285,9 @@ def choose_batch(items: list[tuple[BudgetPolicy, DraftTree]], fixed_rows: int, b
     heads = [0] * len(items)
     order: list[int] = []
     gains: list[float] = []
-    while True:
+    if len(items) == 1:  # one request: its own rank order (the merge's result, without its per-node max)
+        order, gains = [0] * len(probs[0]), list(probs[0])
+    while len(items) > 1:
         best = max((i for i in range(len(items)) if heads[i] < len(probs[i])), key=lambda i: probs[i][heads[i]], default=None)
         if best is None:
             break

@@ -38,7 +38,15 @@ class CostModel:
         last slope beyond the largest (measured sizes are exact, so a staircase stays a staircase)."""
         if rows < 1:
             raise DartreeError(f"a forward has at least one row, got {rows}")
-        return _piecewise(self.verify_ms, rows)
+        # Remembered by row count for this table (a budget asks for every prefix's forward each round;
+        # the table is replaced, never changed in place, so a new table starts a new memo).
+        memo = self.__dict__.get("_verify_memo")
+        if memo is None or memo[0] is not self.verify_ms:
+            memo = self.__dict__["_verify_memo"] = (self.verify_ms, {})
+        ms = memo[1].get(rows)
+        if ms is None:
+            ms = memo[1][rows] = _piecewise(self.verify_ms, rows)
+        return ms
 
     def draft_share(self, requests: int) -> float:
         """A request's share of the round's one drafter call when ``requests`` requests draft in it."""

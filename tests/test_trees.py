@@ -236,3 +236,35 @@ def test_a_tree_moves_to_the_targets_device_whole():
     assert all(t.device.type == "meta" for t in (moved.tokens, moved.parents, moved.depths, moved.log_probs, moved.rank))
     assert moved.log_probs.dtype == torch.float64 and len(moved) == 3
     assert DraftTree.empty().to("meta").log_probs is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), best_first=st.booleans())
+def test_prefix_of_a_tree_numbered_best_first_is_the_restricted_tree(data, best_first):
+    """``DraftTree.prefix`` slices a tree whose nodes are numbered best first (the compiled grower's, the
+    n-gram proposer's) instead of renumbering it: the same tree, scores and ranking as ``restricted``,
+    field for field, and a tree numbered otherwise still goes through ``restricted``."""
+    n = data.draw(st.integers(1, 30))
+    parents, scores, depths = [], [], []
+    for i in range(n):
+        parent = data.draw(st.integers(0, i))
+        scores.append((0.0 if parent == 0 else scores[parent - 1]) - data.draw(st.sampled_from([0.0, 1.0, 2.5])))
+        parents.append(parent)
+        depths.append(1 if parent == 0 else depths[parent - 1] + 1)
+    # best first, ties to the shallower then earlier node: every prefix of the ranking is a tree
+    rank = sorted(range(n), key=lambda j: (-scores[j], depths[j], j))
+    if best_first:  # renumber the nodes in rank order
+        row = {old: new + 1 for new, old in enumerate(rank)}
+        parents = [row[parents[old] - 1] if parents[old] else 0 for old in rank]
+        scores, depths = [scores[old] for old in rank], [depths[old] for old in rank]
+        tokens = [1000 + old for old in rank]
+        rank = list(range(n))
+    else:
+        tokens = [1000 + j for j in range(n)]
+    tree = DraftTree.from_lists(tokens, parents, depths)
+    tree.log_probs, tree.rank = torch.tensor(scores, dtype=torch.float64), torch.tensor(rank)
+    budget = data.draw(st.integers(0, n - 1))
+    got = tree.prefix(budget)
+    want = tree.restricted(tree.rank[:budget].sort().values)
+    for name in ("tokens", "parents", "depths", "log_probs", "rank"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name

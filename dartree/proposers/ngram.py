@@ -144,31 +144,37 @@ class NgramProposer:
                 children[tuple(c[:d])] = children.get(tuple(c[:d]), 0) + 1
                 if i < own:
                     own_paths.add(tuple(c[:d]))
-        # rows in order of depth (parents before children), then by support and first appearance
+        # in order of depth (parents before children), then by support and first appearance
         order = sorted(children, key=lambda p: (len(p), -children[p]))
-        row_of: dict[tuple[int, ...], int] = {}
-        tokens, parents, depths, log_probs = [], [], [], []
         siblings: dict[tuple[int, ...], int] = {}
         for path in order:
             siblings[path[:-1]] = siblings.get(path[:-1], 0) + 1
         self._features = {}
+        log_prob: dict[tuple[int, ...], float] = {}
         for path in order:
             parent = path[:-1]
             through = children[path]
             # a sole continuation counts as the whole share (the occurrences that stop short do not lower it)
             share = through / (children[parent] if parent else len(continuations)) if siblings[parent] > 1 else 1.0
             key = AcceptanceRates.bucket(match, through, share, path not in own_paths)
-            p = self.rates.probability(key, share)
             self._features[path] = key
+            log_prob[path] = log_prob.get(parent, 0.0) + math.log(self.rates.probability(key, share))
+        # Nodes numbered best first (ties: the earlier in ``order``), so the ranking is the node order:
+        # a child never outscores its parent and comes later in ``order``, so every prefix is a tree,
+        # and the budget's cut is a slice (``DraftTree.prefix``).
+        ranked = sorted(range(len(order)), key=lambda i: -log_prob[order[i]])
+        row_of: dict[tuple[int, ...], int] = {}
+        tokens, parents, depths, scores = [], [], [], []
+        for i in ranked:
+            path = order[i]
             row_of[path] = len(tokens) + 1
             tokens.append(path[-1])
-            parents.append(row_of[parent] if parent else 0)
+            parents.append(row_of[path[:-1]] if len(path) > 1 else 0)
             depths.append(len(path))
-            log_probs.append((log_probs[row_of[parent] - 1] if parent else 0.0) + math.log(p))
+            scores.append(log_prob[path])
         tree = DraftTree.from_lists(tokens, parents, depths)
-        tree.log_probs = torch.tensor(log_probs, dtype=torch.float64)
-        # best first; a child never outscores its parent and ties go to the smaller row: every prefix is a tree
-        tree.rank = torch.sort(tree.log_probs, descending=True, stable=True).indices
+        tree.log_probs = torch.tensor(scores, dtype=torch.float64)
+        tree.rank = torch.arange(len(tokens))
         return tree
 
     @classmethod

@@ -33,7 +33,15 @@ class DraftTree:
             raise DartreeError("this tree carries no ranking; only ranked trees (dartree) can be cut to a prefix")
         if budget >= len(self):
             return self
-        return self.restricted(self.rank[:budget].sort().values)
+        best = self.rank[:budget]
+        if budget > 0 and int(best.max()) == budget - 1:
+            # The best nodes are the first ``budget`` (distinct indices, the largest budget - 1): a tree
+            # numbered best first, as the compiled grower's and the n-gram proposer's are. Their parents
+            # are among them, so the prefix is their slices, rows unchanged (what ``restricted`` gives,
+            # without its dozen small tensor ops: a round's cut of a free tree is most of its overhead).
+            return DraftTree(self.tokens[:budget], self.parents[:budget], self.depths[:budget],
+                             None if self.log_probs is None else self.log_probs[:budget], best)
+        return self.restricted(best.sort().values)
 
     def restricted(self, keep: torch.Tensor) -> "DraftTree":
         """The tree of the sorted, ancestor-closed node set ``keep``, with the kept nodes' scores and,
