@@ -7,7 +7,8 @@ module forward, on the lean kernels with float32 products and with Q8_0 products
 how far each path's base logits are from the module's; then one ``dartree`` tree build (K = 64,
 W = 12, up to 64 nodes) grown in Python and by the compiled grower, 4 / 8 / 16 requests' trees by a
 compiled call each against one call for the batch, the head-corrected chain (`domino`, `domino-ddtree`) and
-DDTree's best-first heap, each in Python and compiled. Medians of back-to-back calls.
+DDTree's best-first heap, each in Python and compiled; last a round without a drafter call: the n-gram
+proposer's tree after the model's own 200-token answer, and budget auto's cut of it. Medians of back-to-back calls.
 """
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import dartree  # noqa: E402
 from dartree.hardware import describe_machine  # noqa: E402
 from dartree.lean_drafter import LeanDrafterWeights  # noqa: E402
+from dartree.budget import BudgetPolicy, cut_batch  # noqa: E402
+from dartree.costmodel import CostModel  # noqa: E402
 from dartree.proposers.drafter import DraftProposer  # noqa: E402
+from dartree.proposers.ngram import NgramProposer  # noqa: E402
 from dartree.targets.base import Part  # noqa: E402
 from dartree.targets.lean import KVStore  # noqa: E402
 from dartree.trees import grow_kernel  # noqa: E402
@@ -101,6 +105,18 @@ def main() -> int:
     python_ms = median_ms(lambda: best_first_marginals(logprobs, 64))
     compiled_ms = median_ms(lambda: grow_kernel.best_first_marginals(logprobs, 64))
     print(f"DDTree best-first tree (B 64, top-k included): Python {python_ms:.3f} ms, compiled {compiled_ms:.3f} ms")
+    # a round without a drafter call: the n-gram tree over the model's own answer, and its cut (a cost curve
+    # of the Zen 3 one's shape: a second row 1.2x a step, four 1.8x)
+    answer = pipe.generate(prompt="Tell me a short story about a lighthouse keeper.", method="ar", max_new_tokens=200).token_ids
+    ngram = NgramProposer()
+    ngram.observe(torch.tensor(answer[:-1]), None)
+    tree = ngram.propose(answer[-1])
+    cost = CostModel({}, 256, {1: 1.0, 2: 1.2, 3: 1.5, 4: 1.8, 8: 3.2, 16: 5.4, 32: 10.0, 64: 19.0})
+    policy = BudgetPolicy(cost)
+    kept = cut_batch([(policy, tree)], 1, 1.0, 0, [False], [None])[0]
+    propose_ms = median_ms(lambda: ngram.propose(answer[-1]), 200)
+    cut_ms = median_ms(lambda: cut_batch([(policy, tree)], 1, 1.0, 0, [False], [None]), 200)
+    print(f"n-gram tree ({len(tree)} nodes, cut to {len(kept)}): propose {propose_ms:.3f} ms, budget cut {cut_ms:.3f} ms")
     return 0
 
 

@@ -361,8 +361,8 @@ def test_a_request_pays_its_share_of_a_batched_drafter_call():
 def test_in_a_batch_a_lost_probe_waits_longer_and_the_next_request_starts_backed_off():
     """A probe's drafter call holds up the whole batch: after a lost round in a batch of n the plain
     steps before the next probe are stretched by n t(1) / t(n); a request forked after one that ended
-    so starts with that many plain steps. Alone nothing changes: the same tree, cut alone, backs off
-    probe_every steps, and the next request drafts at once."""
+    so starts with that many plain steps. Alone the same tree, cut alone, backs off probe_every steps, and
+    the next request drafts at once but, losing too, waits as long as the last one's next wait."""
     from dartree.budget import cut_batch
 
     cost = synthetic_cost(10.0, 0.5, draft_ms=30.0)  # t(8) = 13.5 ms: 8 requests run 8 * 10 / 13.5 = 5.9x faster together
@@ -389,7 +389,26 @@ def test_in_a_batch_a_lost_probe_waits_longer_and_the_next_request_starts_backed
     alone.hand_back()
     after = alone_shared.fork()
     after.start_request()
-    assert after.speculate()
+    assert after.speculate()  # alone, the next request probes at once ...
+    cut_batch([(after, hopeless)], 1, 1.0)  # ... and, losing again, waits as long as the last one would have
+    assert after.lost_probes == 2 and [after.speculate() for _ in range(9)] == [False] * 8 + [True]
+    won = alone_shared.fork()  # a won probe (rows and calls made free here) resets the back-off, for the next request too
+    won.start_request()
+    won.cost = synthetic_cost(10.0, 0.0)
+    cut_batch([(won, ranked_tree([0.99, 0.98, 0.97]))], 1, 1.0)
+    assert won.lost_probes == 0
+    won.hand_back()
+    fresh = alone_shared.fork()
+    fresh.start_request()
+    assert fresh.speculate() and fresh.lost_probes == 0
+    # the pipeline's own policy (``generate``, one request after another, nothing forked) likewise
+    own = BudgetPolicy(cost, probe_every=4)
+    for lost_before in range(3):
+        own.start_request()
+        assert own.speculate() and own.lost_probes == lost_before
+        cut_batch([(own, hopeless)], 1, 1.0)
+        wait = 4 * 2 ** lost_before
+        assert [own.speculate() for _ in range(wait + 1)] == [False] * wait + [True]
 
 
 def test_in_a_batch_the_next_request_starts_as_deep_in_the_back_off_as_the_last_one_ended():
