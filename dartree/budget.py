@@ -110,6 +110,8 @@ class BudgetPolicy:
             # of its time). Alone its first round still probes (its text may suit the drafter; a won probe
             # resets the back-off); after a back-off in a batch, where the regime that made the probes lose
             # (rows no longer nearly free) holds for the next request too, it starts with the plain steps as well.
+            if not any(b >= 0 for b in self.history):
+                return  # no drafted round (it ended in the wait it started with): what it inherited stays for the next
             backed_off_in_batch = self.lost_probes > 0 and self.probe_scale > 1.0
             self.parent.start_lost = self.lost_probes
             self.parent.start_plain = self._back_off_steps(self.lost_probes - 1) if backed_off_in_batch else 0

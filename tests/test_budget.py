@@ -345,6 +345,13 @@ def test_a_forked_policy_has_its_own_state_and_hands_its_calibration_back():
     assert shared.predicted == fork.predicted and shared.accepted == fork.accepted
 
 
+def test_the_cost_curve_is_remembered_per_table():
+    cost = CostModel({"machine": "synthetic"}, 256, {1: 10.0, 4: 16.0})
+    assert cost.verify(2) == pytest.approx(12.0) and cost.verify(2) == cost.verify(2)
+    cost.verify_ms = {1: 10.0, 4: 13.0}  # a new table: a new curve
+    assert cost.verify(2) == pytest.approx(11.0)
+
+
 def test_a_request_pays_its_share_of_a_batched_drafter_call():
     cost = CostModel({"machine": "synthetic"}, 256, {1: 10.0, 2: 11.0}, draft_ms=4.0, draft_batch_ms={4: 8.0, 16: 16.0})
     assert cost.draft_share(1) == 4.0 and cost.draft_share(4) == 2.0 and cost.draft_share(16) == 1.0
@@ -380,6 +387,11 @@ def test_in_a_batch_a_lost_probe_waits_longer_and_the_next_request_starts_backed
     joining = shared.fork()
     joining.start_request()
     assert [joining.speculate() for _ in range(stretched + 1)] == [False] * stretched + [True]
+    short = shared.fork()  # a request that ends within the wait it started with hands that wait on unchanged
+    short.start_request()
+    assert not short.speculate()
+    short.hand_back()
+    assert (shared.start_plain, shared.start_lost) == (stretched, 1)
 
     alone_shared = BudgetPolicy(cost, probe_every=4)
     alone = alone_shared.fork()

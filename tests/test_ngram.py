@@ -32,6 +32,23 @@ def test_the_longest_repeated_suffix_gives_every_recent_continuation_as_branches
     assert all(lp[i] <= lp[parents[i] - 1] for i in range(len(lp)) if parents[i] > 0)
 
 
+@settings(max_examples=150, deadline=None)
+@given(text=st.lists(st.integers(0, 6), min_size=2, max_size=80), bonus=st.integers(0, 6))
+def test_the_tree_is_numbered_best_first(text, bonus):
+    """The nodes are numbered in rank order (so the budget's cut is a slice): scores never rise along the node
+    order, equal scores keep the shallower first, parents come before their children, and the rank is the
+    identity; the same paths and scores as the tree rebuilt in depth order."""
+    tree = seen(NgramProposer(), text).propose(bonus)
+    lp, depths, parents = tree.log_probs.tolist(), tree.depths.tolist(), tree.parents.tolist()
+    assert tree.rank.tolist() == list(range(len(tree)))
+    assert all(lp[i] >= lp[i + 1] for i in range(len(lp) - 1))
+    assert all(depths[i] <= depths[i + 1] for i in range(len(lp) - 1) if lp[i] == lp[i + 1])
+    assert all(p <= i for i, p in enumerate(parents))  # row p (node p - 1) before node i (row i + 1)
+    by_depth = sorted(range(len(tree)), key=lambda i: depths[i])  # any numbering: the same tree
+    paths = tree.node_paths()
+    assert {paths[i]: lp[i] for i in by_depth} == dict(zip(paths, lp)) and len(set(paths)) == len(paths)
+
+
 def test_the_chain_variant_takes_the_latest_occurrence_only():
     p = seen(NgramChainProposer(), [5, 1, 2, 3, 9, 1, 2, 4, 4, 7, 1])
     tree = p.propose(2)
