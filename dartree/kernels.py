@@ -7,11 +7,17 @@ is available, ``available()`` is False and targets keep the Hugging Face forward
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
 import sys
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: builds are not guarded (torch's own lock file only)
+    fcntl = None
 
 import torch
 
@@ -52,11 +58,41 @@ def build_extension(source: Path, folder: str, module: str, what: str, extra_cfl
     os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     out = extension_dir(source, folder, extra_cflags)
     out.mkdir(parents=True, exist_ok=True)
-    if not any(out.glob("*.so")):
-        print(f"dartree: compiling {what} for this CPU into {out} (once, about a minute)", file=sys.stderr)
-    name = module + (f"_{out.name}" if extra_cflags else "")
-    return load_extension(name=name, sources=[str(source)], extra_cflags=CFLAGS + list(extra_cflags),
-                          extra_ldflags=list(LDFLAGS), build_directory=str(out), verbose=verbose)  # a copy: torch appends to it
+    with build_lock(out):
+        if not any(out.glob("*.so")):
+            print(f"dartree: compiling {what} for this CPU into {out} (once, about a minute)", file=sys.stderr)
+        name = module + (f"_{out.name}" if extra_cflags else "")
+        return load_extension(name=name, sources=[str(source)], extra_cflags=CFLAGS + list(extra_cflags),
+                              extra_ldflags=list(LDFLAGS), build_directory=str(out), verbose=verbose)  # a copy: torch appends to it
+
+
+TORCH_LOCK = "lock"  # the file torch's extension loader creates in a build folder while it builds, and waits on
+
+
+@contextlib.contextmanager
+def build_lock(out: Path):
+    """Hold the build folder ``out`` against other dartree processes (an advisory lock that the system
+    drops when its holder dies), and clear a lock file that torch's loader left there: torch marks a build
+    with a bare file and waits, without end, while it exists, so a build interrupted by Ctrl-C or a kill
+    would hang every later start. Once this lock is held no live dartree process is building here, so
+    such a file is stale."""
+    if fcntl is None:
+        yield
+        return
+    with open(out / ".dartree-build", "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"dartree: waiting for another process that is compiling into {out}", file=sys.stderr)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = out / TORCH_LOCK
+            if stale.exists():
+                stale.unlink(missing_ok=True)
+                print(f"dartree: removed {stale}, left by a build that was interrupted; building again", file=sys.stderr)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def build_dir(extra_cflags: tuple[str, ...] = ()) -> Path:

@@ -343,3 +343,28 @@ def test_attention_of_rows_taken_together_gives_each_row_its_bits_alone(hd):
             assert torch.equal(ext.attention(q, k, v, slots, past, visible, nh, hd ** -0.5), together), runs
         finally:
             ext.set_grouped_attention(True)
+
+
+def test_a_lock_left_by_an_interrupted_build_is_cleared_and_a_live_build_is_waited_for(tmp_path, capsys):
+    """torch's loader waits without end on the bare lock file a killed build leaves: dartree's own build lock
+    (released by the system when its holder dies) clears it; a build in progress in another process is waited for."""
+    import subprocess
+    import sys
+    import time
+
+    from dartree.kernels import TORCH_LOCK, build_lock
+
+    (tmp_path / TORCH_LOCK).touch()  # a build that was killed
+    with build_lock(tmp_path):
+        assert not (tmp_path / TORCH_LOCK).exists()
+    assert "interrupted" in capsys.readouterr().err
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, sys, time; h = open(sys.argv[1], 'a+'); fcntl.flock(h, fcntl.LOCK_EX); print('held', flush=True); "
+        "time.sleep(1.0)"), str(tmp_path / ".dartree-build")], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    (tmp_path / TORCH_LOCK).touch()  # the live build's own lock: not touched while it runs
+    start = time.perf_counter()
+    with build_lock(tmp_path):  # taken once the holder's process ends (the system drops its lock)
+        waited = time.perf_counter() - start
+    holder.wait()
+    assert waited > 0.3 and "waiting for another process" in capsys.readouterr().err
