@@ -76,10 +76,14 @@ def build_lock(out: Path):
     with a bare file and waits, without end, while it exists, so a build interrupted by Ctrl-C or a kill
     would hang every later start. Once this lock is held no live dartree process is building here, so
     such a file is stale."""
-    if fcntl is None:
+    try:  # read-only is enough for flock, and works on a shared cache where another user made the file
+        fd = os.open(out / ".dartree-build", os.O_RDONLY | os.O_CREAT, 0o666) if fcntl is not None else None
+    except OSError:  # a folder we cannot write to: nothing to guard (torch could not build there either)
+        fd = None
+    if fd is None:
         yield
         return
-    with open(out / ".dartree-build", "a+") as handle:
+    with os.fdopen(fd) as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -89,7 +93,7 @@ def build_lock(out: Path):
             stale = out / TORCH_LOCK
             if stale.exists():
                 stale.unlink(missing_ok=True)
-                print(f"dartree: removed {stale}, left by a build that was interrupted; building again", file=sys.stderr)
+                print(f"dartree: removed {stale}, left by an interrupted build", file=sys.stderr)
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)

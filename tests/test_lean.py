@@ -350,6 +350,7 @@ def test_a_lock_left_by_an_interrupted_build_is_cleared_and_a_live_build_is_wait
     (released by the system when its holder dies) clears it; a build in progress in another process is waited for."""
     import subprocess
     import sys
+    import threading
     import time
 
     from dartree.kernels import TORCH_LOCK, build_lock
@@ -359,12 +360,15 @@ def test_a_lock_left_by_an_interrupted_build_is_cleared_and_a_live_build_is_wait
         assert not (tmp_path / TORCH_LOCK).exists()
     assert "interrupted" in capsys.readouterr().err
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import fcntl, sys, time; h = open(sys.argv[1], 'a+'); fcntl.flock(h, fcntl.LOCK_EX); print('held', flush=True); "
-        "time.sleep(1.0)"), str(tmp_path / ".dartree-build")], stdout=subprocess.PIPE, text=True)
+        "import fcntl, sys; h = open(sys.argv[1], 'a+'); fcntl.flock(h, fcntl.LOCK_EX); print('held', flush=True); "
+        "sys.stdin.read()"), str(tmp_path / ".dartree-build")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
     (tmp_path / TORCH_LOCK).touch()  # the live build's own lock: not touched while it runs
+    release = threading.Timer(0.5, holder.stdin.close)  # the holder ends, and the system drops its lock, once released
     start = time.perf_counter()
-    with build_lock(tmp_path):  # taken once the holder's process ends (the system drops its lock)
+    release.start()
+    with build_lock(tmp_path):
         waited = time.perf_counter() - start
     holder.wait()
+    holder.stdout.close()
     assert waited > 0.3 and "waiting for another process" in capsys.readouterr().err
