@@ -273,7 +273,10 @@ def test_rounds_without_a_drafter_call_still_verify_the_text_repeats(lean_pipe, 
         assert len(free) > len(s.drafted) // 2  # the drafter call does not pay: most rounds make none
         assert any(a > 1 for n, a in free) and all(a <= n + 1 for n, a in free)
         batched, reference = (pipe.request(torch.tensor(prompt), settings_, stop_token_ids=[], alone=False) for _ in range(2))
+        shared = pipe.budget_policy(settings_)
+        start = (shared.start_plain, shared.start_lost)
         run_alone(pipe.target, batched)
+        shared.start_plain, shared.start_lost = start  # the reference starts as deep in the back-off as the batched one did
         run_reference(pipe.target, reference)
         assert reference.output == batched.output == ar
         for stat in ("acceptance_lengths", "tree_sizes", "drafted"):
