@@ -66,9 +66,14 @@ def test_the_reference_round_gives_the_batched_rounds_tokens_and_stats(lean_pipe
                                                                        seed, max_new_tokens):
     settings_ = _spec_settings(method, budget, temperature, seed, max_new_tokens)
     ids = torch.tensor(prompt)
-    # both made before either runs: each starts from the same budget calibration (a request hands its own back)
+    # both made before either runs: each starts from the same budget calibration (a request hands its own back),
+    # and the reference as deep in the back-off as the batched one started (that too is handed on)
     batched, reference = (lean_pipe.request(ids, settings_, stop_token_ids=[3], alone=False) for _ in range(2))
+    shared = lean_pipe.budget_policy(settings_) if batched.policy is not None else None
+    start = (shared.start_plain, shared.start_lost) if shared is not None else None
     run_alone(lean_pipe.target, batched)
+    if shared is not None:
+        shared.start_plain, shared.start_lost = start
     run_reference(lean_pipe.target, reference)
     assert reference.output == batched.output
     for stat in ("acceptance_lengths", "tree_sizes", "drafted", "finish_reason", "new_tokens", "rounds", "output_rows"):
