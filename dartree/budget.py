@@ -289,19 +289,7 @@ def choose_batch(items: list[tuple[BudgetPolicy, DraftTree]], fixed_rows: int, b
                      if len(tree) and tree.rank is not None else [])
         if probs[-1] and was_drafted:
             policy.note_gains(probs[-1])
-    # k-way merge by each request's next node (ties: the earlier request, then the earlier rank).
-    heads = [0] * len(items)
-    order: list[int] = []
-    gains: list[float] = []
-    if len(items) == 1:  # one request: its own rank order (the merge's result, without its per-node max)
-        order, gains = [0] * len(probs[0]), list(probs[0])
-    while len(items) > 1:
-        best = max((i for i in range(len(items)) if heads[i] < len(probs[i])), key=lambda i: probs[i][heads[i]], default=None)
-        if best is None:
-            break
-        order.append(best)
-        gains.append(probs[best][heads[best]])
-        heads[best] += 1
+    order, gains = _merge_best_first(probs)
     # plain float64 arithmetic: a round's few dozen numbers cost less in Python than as tensors
     gain = [base_tokens + c for c in accumulate(gains, initial=0.0)]  # the order of the sums the tensors used
     ms = [cost.verify(fixed_rows + m) for m in range(len(gains) + 1)]
@@ -334,6 +322,23 @@ def choose_batch(items: list[tuple[BudgetPolicy, DraftTree]], fixed_rows: int, b
             worth = (mine - 1.0 - free_gain) / spent / plain_rate if spent > 0 else 1.0
         choices.append(BudgetChoice(n, mine, ms[m], worth, probe_scale))
     return choices
+
+
+def _merge_best_first(probs: list[list[float]]) -> tuple[list[int], list[float]]:
+    """The requests' nodes merged by each request's next node's probability (ties: the earlier request, then
+    the earlier rank): whose node each is, and its probability. One request's is its own rank order."""
+    if len(probs) == 1:
+        return [0] * len(probs[0]), list(probs[0])
+    heads = [0] * len(probs)
+    order: list[int] = []
+    gains: list[float] = []
+    while True:
+        best = max((i for i in range(len(probs)) if heads[i] < len(probs[i])), key=lambda i: probs[i][heads[i]], default=None)
+        if best is None:
+            return order, gains
+        order.append(best)
+        gains.append(probs[best][heads[best]])
+        heads[best] += 1
 
 
 def _decode_ms(cost: CostModel, fixed_rows: int, prompt_rows: int) -> float:

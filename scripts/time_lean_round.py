@@ -24,10 +24,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import dartree  # noqa: E402
-from dartree.hardware import describe_machine  # noqa: E402
-from dartree.lean_drafter import LeanDrafterWeights  # noqa: E402
 from dartree.budget import BudgetPolicy, cut_batch  # noqa: E402
 from dartree.costmodel import CostModel  # noqa: E402
+from dartree.hardware import describe_machine  # noqa: E402
+from dartree.lean_drafter import LeanDrafterWeights  # noqa: E402
 from dartree.proposers.drafter import DraftProposer  # noqa: E402
 from dartree.proposers.ngram import NgramProposer  # noqa: E402
 from dartree.targets.base import Part  # noqa: E402
