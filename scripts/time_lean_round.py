@@ -27,7 +27,7 @@ import dartree  # noqa: E402
 from dartree.budget import BudgetPolicy, cut_batch  # noqa: E402
 from dartree.costmodel import CostModel  # noqa: E402
 from dartree.hardware import describe_machine  # noqa: E402
-from dartree.lean_drafter import LeanDrafterWeights  # noqa: E402
+from dartree.lean_drafter import DRAFTER_PRODUCTS, LeanDrafterWeights  # noqa: E402
 from dartree.proposers.drafter import DraftProposer  # noqa: E402
 from dartree.proposers.ngram import NgramProposer  # noqa: E402
 from dartree.targets.base import Part  # noqa: E402
@@ -79,7 +79,7 @@ def main() -> int:
     module.lean = module.store = None
     reference = steady_call(module)
     print(f"drafter call, module forward: {timed(module):.2f} ms")
-    for products in ("float32", "q8_0"):
+    for products in DRAFTER_PRODUCTS:
         lean = DraftProposer.create(pipe)
         lean.lean = LeanDrafterWeights(lean.model, lean.lm_head, products)
         lean.store = KVStore(lean.lean, 1, 256)
