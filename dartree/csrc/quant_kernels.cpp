@@ -401,7 +401,9 @@ inline void tile(const uint8_t* rec, const ActBlock* act, int64_t M, int64_t nb,
 }
 
 // Rows per tile: measured on an AMD EPYC Zen 4 (one thread, 960 x 576): 4 to 16 rows a tile give the same
-// times on the VNNI path (bound by vpdpbusd's one a cycle); the AVX2 path is fastest at 2 (16 registers).
+// times on the VNNI path (bound by vpdpbusd's one a cycle). The AVX2 path (AMD EPYC Zen 3, one thread, builds
+// with DQ_AVX2_ROWS = 2, 3, 4 side by side): 4 rows a tile beat 2 by 1.1-1.25x from 4 rows on; 3 was between them
+// for Q4_x and slower than both for Q8_0.
 #if defined(DQ_VNNI)
 constexpr int ROWS_PER_TILE = 8;
 #elif defined(DQ_AVX2) && defined(DQ_AVX2_ROWS)
