@@ -9,6 +9,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tiny import byte_grammars, make_tiny_drafter, make_tiny_target
 
 import dartree
@@ -135,6 +137,47 @@ def test_top_k_and_top_p_warp_the_target_distribution():
     q = Sampler(1.0, top_p=float(full[0]) + 1e-9).probabilities(logits)[0]
     assert q[0] > 0 and q[1] > 0 and q[2] == 0 and q[3] == 0
     assert torch.allclose(Sampler(0.5).probabilities(logits), (logits / 0.5).softmax(-1))
+
+
+def full_sort_reference(logits: torch.Tensor, temperature: float, top_k, top_p) -> torch.Tensor:
+    """The sampled distribution by its definition, over one full sort of the vocabulary: top-k keeps every token
+    scoring at least the k-th best; top-p keeps, best first (ties by lower id), each token while the mass before it
+    is below top_p; the kept tokens renormalised."""
+    scores = logits.to(torch.float64) / temperature
+    keep = torch.ones_like(scores, dtype=torch.bool)
+    if top_k is not None and top_k < scores.numel():
+        keep &= scores >= scores.topk(top_k).values[-1]
+    weights = torch.where(keep, (scores - scores.max()).exp(), torch.zeros_like(scores))
+    if top_p is not None and top_p < 1:
+        order = sorted(range(scores.numel()), key=lambda i: (-float(weights[i]), i))
+        before, total, nucleus = 0.0, float(weights.sum()), torch.zeros_like(keep)
+        for i in order:
+            if before >= top_p * total:
+                break
+            nucleus[i] = True
+            before += float(weights[i])
+        weights = torch.where(nucleus, weights, torch.zeros_like(weights))
+    return weights / weights.sum()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(2, 1500), st.sampled_from([0.3, 1.0, 2.5]),
+       st.one_of(st.none(), st.integers(1, 80)), st.one_of(st.none(), st.floats(0.05, 0.999)), st.booleans())
+def test_the_nucleus_found_among_the_best_tokens_is_the_full_sorts(seed, vocab, temperature, top_k, top_p, ties):
+    """``Sampler.support`` looks for the top-p nucleus among the best 64 tokens, then 512, then all: the kept tokens
+    and their probabilities are those of one full sort, for peaked and flat rows, with ties (equal logits) at
+    the nucleus's edge or not."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(vocab, generator=gen) * float(torch.rand((), generator=gen) * 8)
+    if ties:  # equal logits in runs, the best ones included
+        logits = (logits * 2).round() / 2
+    sampler = Sampler(temperature, top_k=top_k, top_p=top_p)
+    got = sampler.probabilities(logits[None])[0]
+    want = full_sort_reference(logits, temperature, top_k, top_p)
+    assert torch.equal(got > 0, want > 0)
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-15)
+    draws = sampler(torch.stack([logits] * 8), list(range(8)))  # every draw inside the support
+    assert bool((want[draws] > 0).all())
 
 
 REPEATING = [1, 2, 1, 2, 1]  # a prompt the n-gram proposers continue ("2 1 2 ...") from its first round on
