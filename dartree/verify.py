@@ -206,14 +206,19 @@ class Sampler:
         """``support``'s top-p step over the support (ids, weights); returns the kept part, ids ascending."""
         reach = self.top_p * weights.sum()
         for m in self.NUCLEUS_CANDIDATES + (weights.numel(),):
-            if m >= weights.numel():  # every token of the support is a candidate
+            complete = True  # the candidates hold every token the nucleus may take
+            if m >= weights.numel():
                 cand = torch.arange(weights.numel(), device=weights.device)
             else:  # the m best, and every token tied with the m-th: candidates ascending, so ties sort by id
                 best, at = weights.topk(m + 1)
-                cand = at[:m].sort().values if best[m - 1] > best[m] else (weights >= best[m - 1]).nonzero().squeeze(1)
+                if best[m - 1] == 0:  # fewer than m tokens weigh anything (a grammar's mask): those are all of them
+                    cand = (weights > 0).nonzero().squeeze(1)
+                else:
+                    cand = at[:m].sort().values if best[m - 1] > best[m] else (weights >= best[m - 1]).nonzero().squeeze(1)
+                    complete = False
             ordered, order = weights[cand].sort(descending=True, stable=True)
             mass = ordered.cumsum(0)
-            if mass[-1] >= reach or cand.numel() == weights.numel():
+            if complete or mass[-1] >= reach:
                 break  # else the nucleus reaches past the candidates: more of them
         keep = cand[order[(mass - ordered) < reach]].sort().values
         return (keep if ids is None else ids[keep]), weights[keep]

@@ -144,7 +144,7 @@ def full_sort_reference(logits: torch.Tensor, temperature: float, top_k, top_p) 
     scoring at least the k-th best; top-p keeps, best first (ties by lower id), each token while the mass before it
     is below top_p; the kept tokens renormalised."""
     scores = logits.to(torch.float64) / temperature
-    keep = torch.ones_like(scores, dtype=torch.bool)
+    keep = scores > -math.inf
     if top_k is not None and top_k < scores.numel():
         keep &= scores >= scores.topk(top_k).values[-1]
     weights = torch.where(keep, (scores - scores.max()).exp(), torch.zeros_like(scores))
@@ -162,15 +162,18 @@ def full_sort_reference(logits: torch.Tensor, temperature: float, top_k, top_p) 
 
 @settings(max_examples=60, deadline=None)
 @given(st.integers(0, 2**31 - 1), st.integers(2, 1500), st.sampled_from([0.3, 1.0, 2.5]),
-       st.one_of(st.none(), st.integers(1, 80)), st.one_of(st.none(), st.floats(0.05, 0.999)), st.booleans())
-def test_the_nucleus_found_among_the_best_tokens_is_the_full_sorts(seed, vocab, temperature, top_k, top_p, ties):
+       st.one_of(st.none(), st.integers(1, 80)), st.one_of(st.none(), st.floats(0.05, 0.999)), st.booleans(),
+       st.sampled_from([None, 1, 5, 100]))
+def test_the_nucleus_found_among_the_best_tokens_is_the_full_sorts(seed, vocab, temperature, top_k, top_p, ties, allowed):
     """``Sampler.support`` looks for the top-p nucleus among the best 64 tokens, then 512, then all: the kept tokens
     and their probabilities are those of one full sort, for peaked and flat rows, with ties (equal logits) at
-    the nucleus's edge or not."""
+    the nucleus's edge or not, and with a grammar's mask (``allowed`` tokens finite, the rest -inf)."""
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(vocab, generator=gen) * float(torch.rand((), generator=gen) * 8)
     if ties:  # equal logits in runs, the best ones included
         logits = (logits * 2).round() / 2
+    if allowed is not None and allowed < vocab:
+        logits[torch.randperm(vocab, generator=gen)[allowed:]] = -math.inf
     sampler = Sampler(temperature, top_k=top_k, top_p=top_p)
     got = sampler.probabilities(logits[None])[0]
     want = full_sort_reference(logits, temperature, top_k, top_p)
