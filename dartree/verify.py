@@ -211,8 +211,8 @@ class Sampler:
                 cand = torch.arange(weights.numel(), device=weights.device)
             else:  # the m best, and every token tied with the m-th: candidates ascending, so ties sort by id
                 best, at = weights.topk(m + 1)
-                if best[m - 1] == 0:  # fewer than m tokens weigh anything (a grammar's mask): those are all of them
-                    cand = (weights > 0).nonzero().squeeze(1)
+                if best[m - 1] == 0:  # fewer than m tokens weigh anything (a grammar's mask): the m best hold them all
+                    cand = at[:m][best[:m] > 0].sort().values
                 else:
                     cand = at[:m].sort().values if best[m - 1] > best[m] else (weights >= best[m - 1]).nonzero().squeeze(1)
                     complete = False
