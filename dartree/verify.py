@@ -220,7 +220,8 @@ class Sampler:
             mass = ordered.cumsum(0)
             if complete or mass[-1] >= reach:
                 break  # else the nucleus reaches past the candidates: more of them
-        keep = cand[order[(mass - ordered) < reach]].sort().values
+        before = torch.cat((mass.new_zeros(1), mass[:-1]))  # the mass of the tokens before each
+        keep = cand[order[before < reach]].sort().values
         return (keep if ids is None else ids[keep]), weights[keep]
 
     def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
@@ -241,6 +242,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, positions: list[int]) -> torch.Tensor:
         """The choices [n] for logits [n, V] of the tokens at ``positions`` [n]."""
+        if logits.dim() != 2 or logits.shape[0] != len(positions):
+            raise ValueError(f"Sampler: logits [n, V] and n positions, got {tuple(logits.shape)} and {len(positions)}")
         if self.greedy:
             return argmax_rows(logits)
         if (self.top_k is None or self.top_k >= logits.shape[-1]) and (self.top_p is None or self.top_p >= 1):

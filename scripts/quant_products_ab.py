@@ -3,7 +3,7 @@ the source at a git revision (``--base``, built into its own cache folder) again
 SmolLM2-135M's shapes, by row count. Asserts that both give the same bits, then prints the median
 microseconds of single products (a few copies of each weight walked in turn, so they come from memory).
 
-    .venv/bin/python scripts/quant_products_ab.py --base HEAD~1 [--threads 1] [--rows 1,2,4,8,16,64]
+    .venv/bin/python scripts/quant_products_ab.py --base HEAD~1 [--threads 1] [--rows 1,2,4,8,16,64] [--variant avx2]
 """
 
 import argparse
@@ -29,7 +29,9 @@ def main() -> None:
     ap.add_argument("--base", required=True, help="git revision of the source to compare against")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rows", default="1,2,4,8,16,64")
-    ap.add_argument("--types", default="Q4_1,Q4_0,Q8_0")
+    ap.add_argument("--types", default="Q4_1,Q4_0,Q8_0", help="of Q4_1, Q4_0, Q8_0 (the random blocks' layouts)")
+    ap.add_argument("--variant", choices=sorted(quant.VARIANTS), default=None,
+                    help="build both sides as this instruction-set variant (avx2: the AVX2 path on an AVX-512 CPU)")
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -37,10 +39,14 @@ def main() -> None:
                             capture_output=True, text=True, cwd=Path(__file__).parent).stdout
     folder = Path(tempfile.mkdtemp(prefix="dartree-quant-base-"))
     (folder / "quant_kernels.cpp").write_text(source)
+    flags = quant.VARIANTS[args.variant] if args.variant else ()
+    if set(args.types.split(",")) - {"Q4_1", "Q4_0", "Q8_0"}:
+        ap.error("--types takes Q4_1, Q4_0 and Q8_0")
     builds = {"base": build_extension(folder / "quant_kernels.cpp", "quant_kernels_base", "dartree_quant_base",
-                                      f"the quantised products at {args.base}"),
-              "this": quant.load()}
-    print(f"{describe_machine()}; {args.threads} thread(s); base = {args.base}; median us of single products")
+                                      f"the quantised products at {args.base}", flags),
+              "this": quant.load(extra_cflags=flags)}
+    print(f"{describe_machine()}; {args.threads} thread(s); base = {args.base}; path {builds['this'].path()}; "
+          "median us of single products")
     gen = torch.Generator().manual_seed(0)
     for qtype in args.types.split(","):
         for name, (n, k, copies) in SHAPES.items():

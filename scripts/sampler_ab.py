@@ -48,16 +48,18 @@ def main() -> None:
     for method in ("ar", "dartree"):
         pipe.generate(PROMPTS[0], method=method, **settings)  # warm-up
         speed, texts = {name: [] for name in samplers}, {name: [] for name in samplers}
-        for _ in range(args.turns):
-            for name, cls in samplers.items():
-                settings_module.Sampler = cls  # what GenerationSettings.sampler builds
-                tokens = seconds = 0
-                for prompt in PROMPTS:
-                    res = pipe.generate(prompt, method=method, **settings)
-                    tokens, seconds = tokens + res.stats.new_tokens, seconds + res.stats.decode_seconds
-                    texts[name].append(res.token_ids)
-                speed[name].append(round(tokens / seconds, 1))
-        settings_module.Sampler = Sampler
+        try:
+            for _ in range(args.turns):
+                for name, cls in samplers.items():
+                    settings_module.Sampler = cls  # what GenerationSettings.sampler builds
+                    tokens = seconds = 0
+                    for prompt in PROMPTS:
+                        res = pipe.generate(prompt, method=method, **settings)
+                        tokens, seconds = tokens + res.stats.new_tokens, seconds + res.stats.decode_seconds
+                        texts[name].append(res.token_ids)
+                    speed[name].append(round(tokens / seconds, 1))
+        finally:
+            settings_module.Sampler = Sampler
         print(f"{method}: base {speed['base']} tok/s, this {speed['this']} tok/s; "
               f"the same tokens: {texts['base'] == texts['this']}", flush=True)
 

@@ -183,6 +183,25 @@ def test_the_nucleus_found_among_the_best_tokens_is_the_full_sorts(seed, vocab, 
     assert bool((want[draws] > 0).all())
 
 
+@pytest.mark.parametrize("rank", [64, 512])
+def test_a_run_of_equal_logits_across_the_candidates_edge_keeps_the_lower_ids(rank):
+    """Equal logits spanning the rank where the nucleus search stops taking candidates (the 64th, the 512th best),
+    the run's higher ids placed first, and top-p ending inside the run: the kept tokens of the run are its lowest
+    ids, as one full sort with ties by lower id keeps them."""
+    vocab, run = 2000, 40
+    logits = torch.full((vocab,), -30.0)
+    logits[1000:1000 + rank - run // 2] = 5.0  # the best tokens, just before the run in rank
+    logits[torch.arange(vocab - 1, vocab - 1 - run, -1)] = 4.0  # the run, at the highest ids
+    total = float((logits.double() - 5.0).exp().sum())
+    before_run = (rank - run // 2) / total
+    top_p = before_run + 0.5 * run * math.exp(-1.0) / total  # the nucleus ends half-way through the run
+    got = Sampler(1.0, top_p=top_p).probabilities(logits[None])[0]
+    want = full_sort_reference(logits, 1.0, None, top_p)
+    assert torch.equal(got > 0, want > 0)
+    kept_run = (got[vocab - run:] > 0).nonzero().squeeze(1) + vocab - run
+    assert 0 < kept_run.numel() < run and int(kept_run.max()) < vocab - run + kept_run.numel()  # its lowest ids
+
+
 REPEATING = [1, 2, 1, 2, 1]  # a prompt the n-gram proposers continue ("2 1 2 ...") from its first round on
 
 

@@ -413,6 +413,7 @@ constexpr int ROWS_PER_TILE = 4;
 #else
 constexpr int ROWS_PER_TILE = 4;
 #endif
+static_assert(ROWS_PER_TILE >= 1 && ROWS_PER_TILE <= 16, "product_impl's tail covers at most 15 rows");
 
 template <int64_t T, bool H>
 void product_impl(const ActBlock* act, int64_t M, int64_t nb, const uint8_t* packed, int64_t N, float* y,
