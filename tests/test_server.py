@@ -9,6 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx2 as httpx  # the HTTP client the openai package itself uses
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import dartree
 from dartree.server import TextAssembler, create_app
@@ -289,6 +291,86 @@ def test_text_assembler_never_splits_a_character_and_holds_back_a_possible_stop(
     assert a.add([ord("E"), ord("N")]) == ""  # could become the stop string
     assert a.add([ord("!")]) == "EN!"
     assert a.add(list(b"abcEND tail")) == "abc" and a.stopped
+
+
+class WholeAnswerAssembler:
+    """The assembler as it was, decoding the whole answer every round: the reference the incremental one must match."""
+
+    def __init__(self, tokenizer, stop):
+        self.tokenizer, self.stop, self.ids, self.sent, self.stopped = tokenizer, stop, [], 0, False
+
+    def add(self, ids):
+        self.ids += ids
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        hits = [text.find(s) for s in self.stop if s in text]
+        if hits:
+            self.stopped = True
+            return self._emit(text[: min(hits)])
+        if text.endswith("\ufffd"):
+            return ""
+        hold, safe = max((len(s) - 1 for s in self.stop), default=0), len(text)
+        for k in range(min(hold, len(text)), 0, -1):
+            if any(s.startswith(text[-k:]) for s in self.stop):
+                safe = len(text) - k
+                break
+        return self._emit(text[:safe])
+
+    def finish(self):
+        return "" if self.stopped else self._emit(self.tokenizer.decode(self.ids, skip_special_tokens=True))
+
+    def _emit(self, upto):
+        out = upto[self.sent:]
+        self.sent = max(self.sent, len(upto))
+        return out
+
+
+class ByteLevel:  # GPT-2-style: a token is a few bytes (parts of multi-byte characters too)
+    PIECES = [b"a", b"b", b" ", b"END", b"\n", b"\xe2", b"\x82", b"\xac", b"\xe2\x82", b"\xac!", b"\xf0\x9f", b"\x98\x80", b"ab"]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return b"".join(self.PIECES[i] for i in ids).decode("utf-8", errors="replace")
+
+
+class SentencePieceLike:  # a word piece marks its leading space, and the text's first space is dropped
+    PIECES = ["\u2581the", "\u2581cat", "s", "\u2581END", "!", "\u2581", "E", "ND", "\u2581a"]
+
+    def decode(self, ids, skip_special_tokens=True):
+        text = "".join(self.PIECES[i] for i in ids).replace("\u2581", " ")
+        return text[1:] if text.startswith(" ") else text
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from([ByteLevel, SentencePieceLike]), st.data())
+def test_the_incremental_assembler_writes_what_decoding_the_whole_answer_wrote(tokenizer_class, data):
+    """Rounds of 1..6 tokens, stop strings or none: the text handed out round by round, the stop and the end are
+    the reference's, which decoded the whole answer every round."""
+    tokenizer = tokenizer_class()
+    ids = data.draw(st.lists(st.integers(0, len(tokenizer.PIECES) - 1), min_size=0, max_size=40))
+    stop = data.draw(st.sampled_from([[], ["END"], ["!", "ab"], ["cat"], ["\u20ac!"], ["b a"]]))
+    sizes = data.draw(st.lists(st.integers(1, 6), min_size=len(ids), max_size=len(ids)))
+    new, old, at = TextAssembler(tokenizer, stop), WholeAnswerAssembler(tokenizer, stop), 0
+    got, want = [], []
+    for size in sizes:
+        if at >= len(ids) or old.stopped:
+            break
+        got.append(new.add(ids[at:at + size]))
+        want.append(old.add(ids[at:at + size]))
+        at += size
+    got.append(new.finish())
+    want.append(old.finish())
+    assert "".join(got) == "".join(want) and new.stopped == old.stopped
+    assert got[:-1] == want[:-1]  # round by round, until the end
+
+
+@pytest.mark.parametrize("rounds", [[[0, 3, 5]], [[0], [3, 5]], [[0, 3], [5]], [[0, 5], [6, 3]]])
+def test_a_stop_string_in_a_round_that_ends_inside_a_character_stops_that_round(rounds):
+    """"a", "END", then the first byte of "€": the stop is found in the round that brings it, as when the whole
+    answer was decoded, although the text then ends inside a character."""
+    new, old = TextAssembler(ByteLevel(), ["END"]), WholeAnswerAssembler(ByteLevel(), ["END"])
+    for ids in rounds:
+        assert new.add(ids) == old.add(ids)
+        assert new.stopped == old.stopped
+    assert new.finish() == old.finish()
 
 
 def test_a_full_queue_is_a_429_and_an_internal_error_a_500_then_service_goes_on(served, tmp_path):

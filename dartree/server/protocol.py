@@ -212,27 +212,59 @@ def _stop_strings(body: dict, limits: ServerLimits) -> list[str]:
 class TextAssembler:
     """Token ids in, text out: never splits a multi-byte character, cuts at the first stop string
     exactly as OpenAI does (the stop string itself is not returned), and holds back a tail that could
-    still become a stop string."""
+    still become a stop string.
+
+    The text grows by decoding a window of the last tokens, not the whole answer each round (SmolLM2's
+    tokenizer: 245 us for 1,000 tokens, 440 for 2,000, on an AMD EPYC Zen 3): the window starts at the
+    tokens added the round before (the decoded text's last whole characters), so that a tokenizer which
+    drops a leading space or merges across a boundary decodes the new tokens in context, as vLLM does."""
 
     def __init__(self, tokenizer, stop: list[str]):
         self.tokenizer, self.stop = tokenizer, stop
         self.ids: list[int] = []
+        self.text = ""  # the text of ids[:read]
+        self.prefix = self.read = 0  # ids[prefix:read]: the context the next window starts with
+        self.searched = 0  # the text before this holds no stop string
         self.sent = 0  # characters already handed out
         self.stopped = False
 
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _grow(self, final: bool = False) -> tuple[str, bool]:
+        """The text with the new tokens decoded, and whether it ends on a whole character (always when ``final``);
+        only then is it kept (the next window starts after these tokens)."""
+        if self.read == len(self.ids):
+            return self.text, True
+        window, known = self._decode(self.ids[self.prefix:]), self._decode(self.ids[self.prefix:self.read])
+        text = self.text + window[len(known):]
+        if window.endswith("\ufffd") and not final:  # an incomplete UTF-8 sequence: wait for the next tokens
+            return text, False
+        self.text, self.prefix, self.read = text, self.read, len(self.ids)
+        return text, True
+
+    def _first_stop(self, text: str) -> int | None:
+        """Where the first stop string starts in ``text`` (None: nowhere), searching only past what ``text``
+        shares with the kept text searched before."""
+        longest = max((len(s) for s in self.stop), default=0)
+        start = max(0, self.searched - longest + 1)  # a stop string may end in the new text
+        hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+        return min(hits) if hits else None
+
     def add(self, ids: list[int]) -> str:
         self.ids += ids
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        hits = [text.find(s) for s in self.stop if s in text]
-        if hits:
+        text, whole = self._grow()
+        cut = self._first_stop(text)
+        if cut is not None:
             self.stopped = True
-            return self._emit(text[: min(hits)])
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next tokens
+            return self._emit(text[:cut])
+        if not whole:
             return ""
-        hold = max((len(s) - 1 for s in self.stop), default=0)
+        self.searched = len(text)
         # hold back only a tail that is the start of some stop string
+        longest = max((len(s) for s in self.stop), default=0)
         safe = len(text)
-        for k in range(min(hold, len(text)), 0, -1):
+        for k in range(min(longest - 1, len(text)), 0, -1):
             if any(s.startswith(text[-k:]) for s in self.stop):
                 safe = len(text) - k
                 break
@@ -241,7 +273,10 @@ class TextAssembler:
     def finish(self) -> str:
         if self.stopped:
             return ""
-        return self._emit(self.tokenizer.decode(self.ids, skip_special_tokens=True))
+        text, _ = self._grow(final=True)
+        cut = self._first_stop(text)
+        self.stopped = cut is not None
+        return self._emit(text if cut is None else text[:cut])
 
     def _emit(self, upto: str) -> str:
         out = upto[self.sent:]
