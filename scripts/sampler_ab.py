@@ -2,7 +2,7 @@
 one process on the default model, taking turns: decode tokens per second at T > 0 and whether both wrote the same
 tokens (same seeds), for ``ar`` and the default method.
 
-    .venv/bin/python scripts/sampler_ab.py --base 8ddc41e [--temperature 0.7] [--top-p 0.9] [--top-k K] [--turns 2]
+    .venv/bin/python scripts/sampler_ab.py --base 4be3b07 [--temperature 0.7] [--top-p 0.9] [--top-k K] [--turns 2]
 """
 
 import argparse
