@@ -339,8 +339,15 @@ class SentencePieceLike:  # a word piece marks its leading space, and the text's
         return text[1:] if text.startswith(" ") else text
 
 
+class WordLevel:  # words joined by spaces, token 0 a special token that decoding skips
+    PIECES = ["<s>", "w1", "w2", "END", "w3!"]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(self.PIECES[i] for i in ids if not (skip_special_tokens and i == 0))
+
+
 @settings(max_examples=300, deadline=None)
-@given(st.sampled_from([ByteLevel, SentencePieceLike]), st.data())
+@given(st.sampled_from([ByteLevel, SentencePieceLike, WordLevel]), st.data())
 def test_the_incremental_assembler_writes_what_decoding_the_whole_answer_wrote(tokenizer_class, data):
     """Rounds of 1..6 tokens, stop strings or none: the text handed out round by round, the stop and the end are
     the reference's, which decoded the whole answer every round."""

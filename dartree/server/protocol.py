@@ -240,7 +240,9 @@ class TextAssembler:
         text = self.text + window[len(known):]
         if window.endswith("\ufffd") and not final:  # an incomplete UTF-8 sequence: wait for the next tokens
             return text, False
-        self.text, self.prefix, self.read = text, self.read, len(self.ids)
+        if len(text) > len(self.text):  # tokens that wrote nothing (special ones) are no context for the next window
+            self.prefix = self.read
+        self.text, self.read = text, len(self.ids)
         return text, True
 
     def _first_stop(self, text: str) -> int | None:
