@@ -192,15 +192,20 @@ class Sampler:
         scores = logits.to(torch.float64, copy=True).div_(self.temperature)
         top = scores.max()
         ids = None
-        if self.top_k is not None and self.top_k < scores.numel():
+        cut_k, cut_p = self._cuts(scores.numel())
+        if cut_k:
             kth = scores.topk(self.top_k).values[-1]
             ids = (scores >= kth).nonzero().squeeze(1)
             weights = scores[ids].sub_(top).exp_()
         else:
             weights = scores.sub_(top).exp_()
-        if self.top_p is not None and self.top_p < 1:
+        if cut_p:
             ids, weights = self._nucleus(ids, weights)
         return ids, weights
+
+    def _cuts(self, vocab: int) -> tuple[bool, bool]:
+        """Whether top-k and top-p cut anything from a vocabulary of ``vocab`` tokens."""
+        return self.top_k is not None and self.top_k < vocab, self.top_p is not None and self.top_p < 1
 
     def _nucleus(self, ids: torch.Tensor | None, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``support``'s top-p step over the support (ids, weights); returns the kept part, ids ascending."""
@@ -246,7 +251,7 @@ class Sampler:
             raise ValueError(f"Sampler: logits [n, V] and n positions, got {tuple(logits.shape)} and {len(positions)}")
         if self.greedy:
             return argmax_rows(logits)
-        if (self.top_k is None or self.top_k >= logits.shape[-1]) and (self.top_p is None or self.top_p >= 1):
+        if not any(self._cuts(logits.shape[-1])):
             # every token kept: ``support``'s weights for all rows at once
             weights = logits.to(torch.float64, copy=True).div_(self.temperature)
             weights.sub_(weights.max(-1, keepdim=True).values).exp_()

@@ -221,6 +221,7 @@ class TextAssembler:
 
     def __init__(self, tokenizer, stop: list[str]):
         self.tokenizer, self.stop = tokenizer, stop
+        self.longest = max((len(s) for s in stop), default=0)
         self.ids: list[int] = []
         self.text = ""  # the text of ids[:read]
         self.prefix = self.read = 0  # ids[prefix:read]: the context the next window starts with
@@ -248,8 +249,7 @@ class TextAssembler:
     def _first_stop(self, text: str) -> int | None:
         """Where the first stop string starts in ``text`` (None: nowhere), searching only past what ``text``
         shares with the kept text searched before."""
-        longest = max((len(s) for s in self.stop), default=0)
-        start = max(0, self.searched - longest + 1)  # a stop string may end in the new text
+        start = max(0, self.searched - self.longest + 1)  # a stop string may end in the new text
         hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
         return min(hits) if hits else None
 
@@ -264,9 +264,8 @@ class TextAssembler:
             return ""
         self.searched = len(text)
         # hold back only a tail that is the start of some stop string
-        longest = max((len(s) for s in self.stop), default=0)
         safe = len(text)
-        for k in range(min(longest - 1, len(text)), 0, -1):
+        for k in range(min(self.longest - 1, len(text)), 0, -1):
             if any(s.startswith(text[-k:]) for s in self.stop):
                 safe = len(text) - k
                 break
