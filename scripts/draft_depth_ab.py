@@ -66,6 +66,14 @@ def no_free_rounds():
         yield
 
 
+def min_draft_depth(depth: int):
+    """``BudgetPolicy.draft_depth`` with ``min_draft_depth`` = ``depth`` (a dataclass default is bound at class creation)."""
+    def draft_depth(self):
+        recent = self.depth_history[-self.recent_rounds:]
+        return max(depth, self.build_headroom * max(recent)) if recent else None
+    return patched(BudgetPolicy, "draft_depth", draft_depth)
+
+
 def python_layer_loop():
     return patched(LeanWeights, "compiled_forward", lambda self: None)
 
@@ -75,6 +83,8 @@ CONFIGS = {  # name: (method, the context it runs in)
     "every-depth": ("dartree", lambda: patched(BudgetPolicy, "draft_depth", lambda self: None)),
     "shipped": ("dartree", contextlib.nullcontext),
     "no-free-rounds": ("dartree", no_free_rounds),
+    "min-depth-4": ("dartree", lambda: min_draft_depth(4)),
+    "min-depth-2": ("dartree", lambda: min_draft_depth(2)),
     "ngram": ("ngram", contextlib.nullcontext),
     "ar-python-loop": ("ar", python_layer_loop),
     "shipped-python-loop": ("dartree", python_layer_loop),

@@ -52,6 +52,22 @@ def test_generate_says_when_budget_auto_took_plain_steps(model_dirs, capsys, mon
     assert "[budget auto]" not in capsys.readouterr().err
 
 
+def test_a_target_without_a_drafter_runs_the_drafter_free_method_unless_told(model_dirs, capsys):
+    """No --drafter for a --target: the default method is the one that needs none (``ngram``), the same greedy text;
+    a method that needs a drafter, asked for by name, is one clear error."""
+    args = ["generate", "w4 w5 w4 w5", "--raw", "--target", str(model_dirs[("llama", "target")]), "-n", "12",
+            "--dtype", "float64", "--budget", "4"]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert "[ngram on lean]" in captured.err
+    assert main(args + ["--json", "-m", "ar"]) == 0
+    ar = json.loads(capsys.readouterr().out)["token_ids"]
+    assert main(args + ["--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == ar
+    assert main(args + ["-m", "dartree"]) == 2
+    assert "needs a drafter" in capsys.readouterr().err
+
+
 def test_errors_are_one_clear_line(model_dirs, capsys):
     rc = main(["generate", "w1", "--target", str(model_dirs[("llama", "target")]),
                "--drafter", str(model_dirs[("llama", "domino")]), "--beta", "0.5"])

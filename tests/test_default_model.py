@@ -154,7 +154,7 @@ def test_the_default_load_makes_only_the_config_folder(tmp_path, monkeypatch):
     from dartree import default_model, pipeline
 
     monkeypatch.setattr(default_model, "cache_root", lambda: tmp_path)
-    monkeypatch.setattr(pipeline, "default_target_dir", lambda: pytest.fail("the float32 checkpoint was asked for"))
+    monkeypatch.setattr(pipeline, "gguf_checkpoint_dir", lambda *a: pytest.fail("the float32 checkpoint was asked for"))
     pipe = dartree.load(cost_model=None)
     assert pipe.target.name == "lean-q4_1+q8_0"
     made = sorted(p.name for p in tmp_path.iterdir())
@@ -173,3 +173,66 @@ def test_the_file_target_refuses_another_dtype_or_device_before_loading():
     for kwargs in ({"dtype": "bfloat16"}, {"dtype": "float64"}):
         with pytest.raises(dartree.DartreeError, match="weights='file' runs the GGUF file on the CPU"):
             dartree.load(weights="file", cost_model=None, **kwargs)
+
+
+def _own_copy(tmp_path, name="My-Model.Q4_1.gguf"):
+    """The bundled GGUF file under another name, as a file a user brings (a hard link where it can be)."""
+    import os
+    import shutil
+
+    from dartree.default_model import gguf_path
+
+    copy = tmp_path / name
+    try:
+        os.link(gguf_path(), copy)
+    except OSError:
+        shutil.copyfile(gguf_path(), copy)
+    return copy
+
+
+def test_a_gguf_file_the_user_brings_runs_as_stored_and_as_the_bundled_one(pipe, tmp_path, monkeypatch):
+    """``load(target="file.gguf")``: the file as stored, its config and tokenizer read once from its own fields into a
+    cache folder of its own (its name and a digest of its header), no drafter unless one is named: the default
+    method is then the n-gram one; with the shipped drafter, every method writes the bundled pipeline's tokens."""
+    from dartree import default_model, pipeline
+    from dartree.default_model import default_drafter_dir
+
+    monkeypatch.setattr(default_model, "cache_root", lambda: tmp_path / "cache")
+    monkeypatch.setattr(pipeline, "gguf_checkpoint_dir", lambda *a: pytest.fail("the float32 checkpoint was asked for"))
+    own = _own_copy(tmp_path)
+    alone = dartree.load(str(own), cost_model=pipe.cost_model())
+    made = [p.name for p in (tmp_path / "cache").iterdir()]
+    assert len(made) == 1 and made[0].startswith("my-model.q4_1-") and made[0].endswith("-config")
+    assert alone.target.name == "lean-q4_1+q8_0" and alone.drafter is None
+    assert alone.default_method == "ngram" and "dartree" not in alone.methods
+    for prompt in PROMPTS:
+        ar = pipe.generate(prompt, method="ar", max_new_tokens=32)
+        res = alone.generate(prompt, max_new_tokens=32)  # no method named: the pipeline's default
+        assert res.token_ids == ar.token_ids and res.text == ar.text
+    with pytest.raises(dartree.DartreeError, match="needs a drafter"):
+        alone.generate(PROMPTS[0], method="dartree", max_new_tokens=4)
+    paired = dartree.load(own, default_drafter_dir(), cost_model=pipe.cost_model())
+    assert paired.default_method == "dartree"
+    for prompt in PROMPTS[:2]:
+        ar = pipe.generate(prompt, method="ar", max_new_tokens=32).token_ids
+        for method, budget in (("dartree", "auto"), ("dartree", 16), ("ddtree", 16)):
+            assert paired.generate(prompt, method=method, budget=budget, max_new_tokens=32).token_ids == ar
+
+
+def test_a_bad_gguf_target_gives_one_clear_line_before_any_work(tmp_path, monkeypatch):
+    from dartree import default_model
+    from dartree.default_model import gguf_path
+
+    monkeypatch.setattr(default_model, "cache_root", lambda: tmp_path / "cache")
+    with pytest.raises(dartree.CheckpointError, match="does not exist"):
+        dartree.load(str(tmp_path / "missing.gguf"), cost_model=None)
+    (tmp_path / "text.gguf").write_text("not a model")
+    with pytest.raises(dartree.CheckpointError, match="not a GGUF file"):
+        dartree.load(str(tmp_path / "text.gguf"), cost_model=None)
+    truncated = tmp_path / "truncated.gguf"
+    with open(gguf_path(), "rb") as f:
+        truncated.write_bytes(f.read(4 << 20))
+    for weights in ("auto", "file"):
+        with pytest.raises(dartree.DartreeError, match="not a readable GGUF file"):
+            dartree.load(str(truncated), cost_model=None, weights=weights)
+    assert not (tmp_path / "cache").exists()  # nothing was written for a file that cannot run

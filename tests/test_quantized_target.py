@@ -29,7 +29,8 @@ LLAMA_ROLES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_pr
                "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
 
 
-def write_tiny_gguf(model_dir, out_dir, qtype=gguf.GGMLQuantizationType.Q4_1, tied=False):
+def write_tiny_gguf(model_dir, out_dir, qtype=gguf.GGMLQuantizationType.Q4_1, tied=False,
+                    embed_qtype=gguf.GGMLQuantizationType.Q8_0, norms=False):
     """Quantise a tiny float32 Llama's linear weights to ``qtype`` (the output layer to Q8_0) into a
     GGUF file with llama.cpp's names and q/k row order, and save the model with the dequantised
     values (what a checkpoint converted from that file holds). ``tied``: no ``output.weight`` in the
@@ -39,7 +40,8 @@ def write_tiny_gguf(model_dir, out_dir, qtype=gguf.GGMLQuantizationType.Q4_1, ti
     model = load_target(model_dir, torch.float32, "cpu")
     cfg = model.config
     path = out_dir / "tiny.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
+    arch = cfg.model_type  # "llama" or "qwen3": llama.cpp's converter permutes only Llama's q/k rows
+    writer = gguf.GGUFWriter(str(path), arch)
 
     def put(name, weight, kind, rows_permuted_for=None):
         w = weight.detach().numpy().astype(np.float32)
@@ -59,10 +61,18 @@ def write_tiny_gguf(model_dir, out_dir, qtype=gguf.GGMLQuantizationType.Q4_1, ti
             for hf, name in LLAMA_ROLES.items():
                 module = getattr(block.self_attn if hf.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else block.mlp, hf)
                 heads = cfg.num_attention_heads if hf == "q_proj" else cfg.num_key_value_heads if hf == "k_proj" else None
-                put(f"blk.{i}.{name}.weight", module.weight, qtype, heads)
+                put(f"blk.{i}.{name}.weight", module.weight, qtype, heads if arch == "llama" else None)
+            if norms:  # the F32 norms a real file holds (a target straight from the file reads them from it)
+                parts = {"attn_norm": block.input_layernorm, "ffn_norm": block.post_attention_layernorm}
+                if arch == "qwen3":
+                    parts.update(attn_q_norm=block.self_attn.q_norm, attn_k_norm=block.self_attn.k_norm)
+                for name, norm in parts.items():
+                    writer.add_tensor(f"blk.{i}.{name}.weight", norm.weight.detach().numpy().astype(np.float32))
+        if norms:
+            writer.add_tensor("output_norm.weight", model.model.norm.weight.detach().numpy().astype(np.float32))
         if not tied:
             put("output.weight", model.lm_head.weight, gguf.GGMLQuantizationType.Q8_0)
-        put("token_embd.weight", model.model.embed_tokens.weight, gguf.GGMLQuantizationType.Q8_0)
+        put("token_embd.weight", model.model.embed_tokens.weight, embed_qtype)
         if tied:
             model.lm_head.weight = model.model.embed_tokens.weight
     writer.write_header_to_file()
@@ -112,10 +122,10 @@ def test_the_file_target_runs_the_files_blocks(file_pipe, tiny_gguf):
 
 
 def test_the_file_target_looks_tokens_up_in_the_files_q8_0_embedding(file_pipe, tiny_gguf):
-    from dartree.targets.quantized import GGUFTensors, Q8Embedding, q8_embedding
+    from dartree.targets.quantized import GGUFTensors, StoredEmbedding, stored_embedding
 
     embedding = file_pipe.target.embed_tokens
-    assert isinstance(embedding, Q8Embedding) and file_pipe.head._embed is embedding  # the drafter's head reads it too
+    assert isinstance(embedding, StoredEmbedding) and file_pipe.head._embed is embedding  # the drafter's head reads it too
     table = file_pipe.target_model.get_input_embeddings().weight
     every = torch.arange(table.shape[0])
     assert torch.equal(embedding(every), table) and torch.equal(embedding(every.view(4, -1)), table.view(4, -1, table.shape[1]))
@@ -123,7 +133,7 @@ def test_the_file_target_looks_tokens_up_in_the_files_q8_0_embedding(file_pipe, 
     other = load_target(tiny_gguf[0], torch.float32, "cpu")
     with torch.no_grad():
         other.get_input_embeddings().weight[-1, 0] += 1.0
-    assert q8_embedding(GGUFTensors(tiny_gguf[1]), other) is None
+    assert stored_embedding(GGUFTensors(tiny_gguf[1]), other) is None
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -201,7 +211,7 @@ def test_bad_weights_settings_and_files_give_one_clear_error(tmp_path, model_dir
     target = model_dirs[("llama", "target")]
     with pytest.raises(DartreeError, match="weights must be"):
         dartree.load(target, dtype=torch.float32, weights="q3_k")
-    with pytest.raises(DartreeError, match="bundled model's GGUF"):
+    with pytest.raises(DartreeError, match="runs a GGUF file as stored"):
         dartree.load(target, dtype=torch.float32, weights="file")
     with pytest.raises(DartreeError, match="float32 model"):
         dartree.load(target, dtype=torch.float64, weights="q8_0")
@@ -215,6 +225,52 @@ def test_bad_weights_settings_and_files_give_one_clear_error(tmp_path, model_dir
                                          num_layers=2, seed=99), torch.float32, "cpu")
     with pytest.raises(DartreeError, match="does not hold this model's weights"):
         QuantizedWeights(other, "file", path)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_target_straight_from_the_file_computes_the_checkpoints_file_target(tmp_path, family):
+    """``model_from_gguf``: a Llama or Qwen3 GGUF file with nothing beside it but its config (no float32 weights)
+    gives the target that the float32 checkpoint with the same file gives, bit for bit (norms, Qwen3's q/k norms
+    and the RoPE tables read from the file and the config), and so the same greedy text for every method."""
+    from dartree.targets.quantized import from_gguf, model_from_gguf
+
+    target = make_tiny_target(tmp_path / "t", family=family, vocab_size=24, hidden_size=64, num_layers=2, seed=17,
+                              logit_scale=3.0)
+    with torch.no_grad():  # norms that are not all ones, so that reading the wrong one shows
+        model = load_target(target, torch.float32, "cpu")
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+        model.save_pretrained(target)
+    checkpoint, path = write_tiny_gguf(target, tmp_path, norms=True)
+    reference = load_target(checkpoint, torch.float32, "cpu")
+    straight = model_from_gguf(checkpoint, GGUFTensors(path))
+    assert from_gguf(straight) and not from_gguf(reference)
+    cost = synthetic_cost(1.0, 0.05)
+    a = Pipeline(straight, None, weights="file", gguf=path, cost_model=cost)
+    b = Pipeline(reference, None, weights="file", gguf=path, cost_model=cost)
+    ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6, 5, 3])
+    (la, _), (lb, _) = prefill(a.target, ids), prefill(b.target, ids)
+    assert torch.equal(la, lb)
+    for method in ("ar", "ngram"):
+        want = b.generate(input_ids=[3, 1, 4, 1, 3, 1, 4], method=method, max_new_tokens=16, stop_token_ids=[]).token_ids
+        assert a.generate(input_ids=[3, 1, 4, 1, 3, 1, 4], method=method, max_new_tokens=16,
+                          stop_token_ids=[]).token_ids == want
+
+
+@pytest.mark.parametrize("embed_qtype", ["Q4_0", "Q4_1"])
+def test_an_embedding_stored_in_another_type_is_looked_up_in_it(tmp_path, embed_qtype):
+    """A file whose token embedding is not Q8_0 (most Q4_K_M files store it as Q4_K or Q6_K): the rows are
+    dequantised from its own blocks, the checkpoint's rows bit for bit."""
+    from dartree.targets.quantized import StoredEmbedding
+
+    target = make_tiny_target(tmp_path / "t", family="llama", vocab_size=24, hidden_size=64, num_layers=2, seed=13)
+    checkpoint, path = write_tiny_gguf(target, tmp_path, embed_qtype=getattr(gguf.GGMLQuantizationType, embed_qtype))
+    model = load_target(checkpoint, torch.float32, "cpu")
+    weights = QuantizedWeights(model, "file", path)
+    assert isinstance(weights.embedding, StoredEmbedding) and weights.embedding.weight.qtype == embed_qtype
+    table = model.get_input_embeddings().weight
+    assert torch.equal(weights.embedding(torch.arange(24)), table)
 
 
 def test_a_tied_files_embedding_is_its_output_layers_weight_held_once(tmp_path):

@@ -279,6 +279,24 @@ def _metric(server, name: str) -> float:
     return 0.0
 
 
+def test_a_server_of_a_target_without_a_drafter_answers_with_the_drafter_free_method(tmp_path):
+    """``create_app`` of a pipeline without a drafter (a model the user brings): requests that name no method run the
+    one that needs none and answer as ``ar``."""
+    from tiny import make_tiny_target
+
+    target = make_tiny_target(tmp_path / "target", vocab_size=VOCAB, seed=5, logit_scale=4.0, max_positions=256)
+    pipe = dartree.load(target, dtype=torch.float64)
+    reference = dartree.load(target, dtype=torch.float64)
+    assert pipe.default_method == "ngram"
+    with LiveServer(create_app(pipe, model_name="tiny")) as server:
+        messages = [{"role": "user", "content": "w3 w4 w3 w4"}]
+        answer = client(server).chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0)
+        assert answer.choices[0].message.content == ar_text(reference, messages=messages, n=16)[0]
+        named = httpx.post(server.url + "/v1/chat/completions",
+                           json={"model": "tiny", "messages": messages, "max_tokens": 4, "method": "dartree"})
+        assert named.status_code == 400 and "needs a drafter" in named.text
+
+
 def test_text_assembler_never_splits_a_character_and_holds_back_a_possible_stop():
     class Bytes:  # a byte-level tokenizer: token i is byte i
         def decode(self, ids, skip_special_tokens=True):

@@ -12,7 +12,7 @@ from ..engine import ROUND_STAGES
 from ..errors import DartreeError
 from ..hardware import set_threads
 from ..pipeline import load as load_pipeline
-from .args import OneLineErrorParser, add_generation_args, add_model_args, add_threads_arg, add_tree_args, generation_settings
+from .args import OneLineErrorParser, add_generation_args, add_model_args, add_threads_arg, add_tree_args, generation_settings, with_pipeline_method
 from .bench import add_bench_parser, add_bench_tree_parser
 from .serve import add_serve_parser
 from .train import add_train_parser
@@ -95,6 +95,7 @@ def _run_generate(args) -> int:
         raise DartreeError("the prompt is empty; give some text")
     response_format = _structured_format(args)
     pipe = load_pipeline(args.target, args.drafter, dtype=args.dtype, device=args.device, weights=args.weights)
+    settings = with_pipeline_method(settings, args, pipe)
     kwargs = dict(settings=settings, response_format=response_format)
     streaming = not args.json and pipe.tokenizer is not None
     if streaming:  # print the text as each round is verified

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
+from .. import quant
 from ..errors import DartreeError
-from ..settings import GenerationSettings
-from ..targets.quantized import WEIGHTS
+from ..settings import DRAFTER_FREE_METHOD, GenerationSettings
+from ..targets.quantized import FILE_ARCHITECTURES, WEIGHTS
 from ..trees import BUILDERS, TreeSettings
 from ..trees.base import RETIRED_NOTES
 
@@ -21,12 +23,16 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 def add_model_args(p: argparse.ArgumentParser, dtype_and_device: bool = True) -> None:
     """--target and --drafter; and --dtype and --device, unless the command declares its own (the bench's dtype list)."""
-    p.add_argument("--target", help="target model directory (any Hugging Face causal LM); default: bundled SmolLM2-135M-Instruct")
-    p.add_argument("--drafter", help="drafter directory in the DFlash on-disk format; default: the drafter shipped with dartree")
+    p.add_argument("--target", help="target model: a Hugging Face causal LM directory, or a GGUF file (run as stored where "
+                                    f"it is a {' or '.join(FILE_ARCHITECTURES)} file of {'/'.join(quant.TYPES)} weights); default: bundled "
+                                    "SmolLM2-135M-Instruct")
+    p.add_argument("--drafter", help="drafter directory in the DFlash on-disk format; default: the drafter shipped with "
+                                     "dartree for the bundled model, none for a --target (the n-gram methods need none)")
     p.add_argument("--weights", default="auto", choices=("auto", *WEIGHTS),
-                   help="the target's weights: file (the bundled model's Q4_1 GGUF as stored, on integer products), "
-                        "float32 (its dequantised float32 weights), q8_0 (a float32 target quantised at load); "
-                        "auto (default): file for the bundled model where the integer kernels run, else float32. "
+                   help="the target's weights: file (a GGUF target as stored, the bundled model's Q4_1 file included, on "
+                        "integer products), float32 (its dequantised float32 weights), q8_0 (a float32 target quantised "
+                        "at load); auto (default): file for a GGUF target where the integer kernels run and take its "
+                        "types, else float32. "
                         "Each is exact: every method reproduces that target's greedy text")
     if not dtype_and_device:
         return
@@ -49,16 +55,29 @@ def add_generation_args(p: argparse.ArgumentParser, names: tuple[str, ...] | Non
             continue
         meta = setting.metadata
         choices = f", one of {', '.join(meta['choices'])}" if meta["choices"] else ""
-        p.add_argument(*meta["flags"], dest=setting.name, type=_argument_type(setting), default=setting.default,
+        shown = 'off' if setting.default is None else setting.default
+        default = setting.default
+        if setting.name == "method":  # left unset: the loaded pipeline's default (``Pipeline.default_method``)
+            default, shown = None, f"{setting.default}; {DRAFTER_FREE_METHOD} for a target loaded without a drafter"
+        p.add_argument(*meta["flags"], dest=setting.name, type=_argument_type(setting), default=default,
                        choices=meta["choices"], metavar=setting.name.upper() if meta["choices"] else None,
-                       help=f"{defaults_of}{meta['help']}{choices} (default {'off' if setting.default is None else setting.default})")
+                       help=f"{defaults_of}{meta['help']}{choices} (default {shown})")
     add_retired_flags(p, GenerationSettings, names=names)
 
 
 def generation_settings(args) -> GenerationSettings:
     """The validated GenerationSettings of the parsed generation and tree arguments."""
     own = {s.name: getattr(args, s.name) for s in GenerationSettings.declarations() if hasattr(args, s.name)}
+    if own.get("method", "") is None:  # not given: the default until the pipeline says its own (``with_pipeline_method``)
+        del own["method"]
     return GenerationSettings(**own, tree=tree_settings(args)).validate()
+
+
+def with_pipeline_method(settings: GenerationSettings, args, pipe) -> GenerationSettings:
+    """``settings`` with the loaded pipeline's default method where --method was not given."""
+    if getattr(args, "method", "") is None and settings.method != pipe.default_method:
+        return replace(settings, method=pipe.default_method)
+    return settings
 
 
 def add_tree_args(p: argparse.ArgumentParser) -> None:

@@ -12,7 +12,7 @@ from ..costmodel import default_max_batch
 from ..errors import DartreeError
 from ..pipeline import load as load_pipeline
 from ..server import DART_FIELDS, ServerLimits, checked_config, create_app
-from .args import add_generation_args, add_model_args, add_threads_arg, add_tree_args, generation_settings
+from .args import add_generation_args, add_model_args, add_threads_arg, add_tree_args, generation_settings, with_pipeline_method
 
 API_KEY_ENV = "DARTREE_API_KEY"
 
@@ -96,6 +96,7 @@ def _run_serve(args) -> int:
         raise DartreeError(f"--suffix-cache must be a size in MB >= 0 (0: off), got {args.suffix_cache}")
     pipe = load_pipeline(args.target, args.drafter, dtype=args.dtype, device=args.device, weights=args.weights)
     pipe.use_suffix_cache(args.suffix_cache)
+    defaults = with_pipeline_method(defaults, args, pipe)
     if args.max_batch is not None and args.max_batch < 1:
         raise DartreeError(f"--max-batch must be >= 1, got {args.max_batch}")
     max_batch = args.max_batch

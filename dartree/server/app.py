@@ -5,7 +5,7 @@ import hmac
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .. import __version__
 from ..errors import DartreeError
@@ -28,7 +28,10 @@ def create_app(pipe, defaults: GenerationSettings | None = None, model_name: str
     from fastapi.responses import PlainTextResponse
     from prometheus_client import generate_latest
 
+    pipelines_method = defaults is None  # none handed in: the pipeline's own default method (ngram without a drafter)
     defaults, limits, keys = checked_config(defaults, limits, api_keys)
+    if pipelines_method:
+        defaults = replace(defaults, method=pipe.default_method)
     worker = EngineWorker(pipe, max_queue=max_queue, max_batch=max_batch)
     app = FastAPI(title="dartree", version=__version__)
     if keys:

@@ -127,11 +127,24 @@ class GGUFTensors:
         return qtype, torch.from_numpy(t.data.copy()).reshape(-1, k // values * size), k
 
 
-class Q8Embedding(nn.Module):
-    """A token embedding looked up in a packed Q8_0 weight (``quant.QuantWeight``): a row dequantised when
-    it is looked up (scale * value in float32, the values ``gguf`` dequantises the tensor to, so the float32
-    checkpoint's rows bit for bit, checked at load). A quarter of the float32 table's memory, only the rows
-    a text uses ever expanded; where the output layer is tied to the embedding (the file has no
+def file_target_reason(source: GGUFTensors) -> str | None:
+    """Why the target on ``source`` as stored cannot be built (None where it can): its architecture (Llama files
+    only) or a weight of a quantisation type the products do not take."""
+    if source.arch not in FILE_ARCHITECTURES:
+        return (f"its architecture is {source.arch!r} (the target on the file as stored is built for "
+                f"{', '.join(FILE_ARCHITECTURES)} files)")
+    other = sorted({t.tensor_type.name for t in source.tensors.values()
+                    if t.tensor_type.name not in quant.TYPES and t.tensor_type.name != "F32"})
+    if other:
+        return f"it holds {', '.join(other)} weights (the products take {', '.join(quant.TYPES)})"
+    return None
+
+
+class StoredEmbedding(nn.Module):
+    """A token embedding looked up in the file's packed weight (``quant.QuantWeight``, any type of
+    ``quant.TYPES``): a row dequantised when it is looked up (the values ``gguf`` dequantises the tensor to,
+    so the float32 checkpoint's rows bit for bit, checked at load). A quarter of the float32 table's memory
+    or less, only the rows a text uses ever expanded; where the output layer is tied to the embedding (the file has no
     ``output.weight``, as the bundled SmolLM2's) it is the output layer's own weight, held once."""
 
     def __init__(self, weight: quant.QuantWeight):
@@ -144,12 +157,16 @@ class Q8Embedding(nn.Module):
         return rows.reshape(*ids.shape, self.embedding_dim)
 
 
-# Hugging Face's norm of a Llama decoder layer -> the GGUF tensor holding it
+# GGUF architectures (``general.architecture``) the target on the file as stored is built for: the lean forward's
+# families, whose GGUF tensors llama.cpp's converter names alike (Llama's q/k rows permuted, Qwen3's as they are)
+FILE_ARCHITECTURES = ("llama", "qwen3")
+# Hugging Face's norms of a decoder layer -> the GGUF tensors holding them (Qwen3's per-head q/k norms too)
 _LAYER_NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+_HEAD_NORMS = {"q_norm": "attn_q_norm", "k_norm": "attn_k_norm"}
 
 
 def model_from_gguf(config_dir: str | Path, source: GGUFTensors) -> nn.Module:
-    """The Hugging Face module of a Llama GGUF file for the target on the file as stored, without a float32
+    """The Hugging Face module of a Llama or Qwen3 GGUF file for the target on the file as stored, without a float32
     copy of its weights: made from its config on the meta device (no memory, no initialisation), with only
     what the lean forward reads from the module made real: the norms (the file's F32 tensors) and the RoPE
     tables. The products and the embedding come from the file (``QuantizedWeights``); anything that would
@@ -160,9 +177,10 @@ def model_from_gguf(config_dir: str | Path, source: GGUFTensors) -> nn.Module:
     from ..taps import decoder_layers
 
     config = AutoConfig.from_pretrained(config_dir)
-    if config.model_type != "llama" or source.arch != "llama":
-        raise DartreeError(f"a target straight from a GGUF file is built for Llama files; {source.path.name} is "
-                           f"{source.arch!r}: use weights='float32'")
+    if source.arch not in FILE_ARCHITECTURES or config.model_type != source.arch:
+        raise DartreeError(f"a target straight from a GGUF file is built for {', '.join(FILE_ARCHITECTURES)} files; "
+                           f"{source.path.name} is {source.arch!r} (its config says {config.model_type!r}): use "
+                           "weights='float32'")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if (Path(config_dir) / "generation_config.json").is_file():  # its stop tokens, as from_pretrained reads them
@@ -172,24 +190,28 @@ def model_from_gguf(config_dir: str | Path, source: GGUFTensors) -> nn.Module:
             for attr, name in _LAYER_NORMS.items():
                 norm = getattr(block, attr)
                 norm.weight = nn.Parameter(source.float_tensor(f"blk.{i}.{name}.weight"), requires_grad=False)
+            for attr, name in _HEAD_NORMS.items():
+                norm = getattr(block.self_attn, attr, None)
+                if norm is not None:
+                    norm.weight = nn.Parameter(source.float_tensor(f"blk.{i}.{name}.weight"), requires_grad=False)
         model.model.norm.weight = nn.Parameter(source.float_tensor("output_norm.weight"), requires_grad=False)
         model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)  # its tables, on the CPU
     model.dartree_weights_in_gguf = True  # what ``lean.from_gguf`` reads
     return model.eval()
 
 
-def q8_embedding(source: GGUFTensors, model: nn.Module, output: quant.QuantWeight | None = None) -> Q8Embedding | None:
-    """The file's token embedding as a ``Q8Embedding`` where it is Q8_0 and gives the model's rows bit for
-    bit (checked on rows spread over the table, the first and last included); else None (the model's own).
+def stored_embedding(source: GGUFTensors, model: nn.Module, output: quant.QuantWeight | None = None) -> StoredEmbedding | None:
+    """The file's token embedding as a ``StoredEmbedding`` where its type is one ``quant`` takes (Q8_0 in the
+    bundled file; Q4_K or Q6_K in most Q4_K_M files) and it gives the model's rows bit for bit (checked on rows spread over the table, the first and last included); else None (the model's own).
     ``output``: the output layer's packed weight, the embedding's own where the file ties the two."""
     t = source.tensors.get("token_embd.weight")
-    if t is None or t.tensor_type.name != "Q8_0":
+    if t is None or t.tensor_type.name not in quant.TYPES:
         return None
     if output is not None and "output.weight" not in source.tensors:  # tied: the same blocks, packed once
-        embedding = Q8Embedding(output)
+        embedding = StoredEmbedding(output)
     else:
         qtype, raw, k = source.raw("token_embd.weight")
-        embedding = Q8Embedding(quant.QuantWeight.from_blocks(qtype, raw, k))
+        embedding = StoredEmbedding(quant.QuantWeight.from_blocks(qtype, raw, k))
     if from_gguf(model):  # the file is the model: no other table to agree with
         return embedding
     float_table = model.get_input_embeddings().weight
@@ -226,12 +248,14 @@ class QuantizedWeights(LeanWeights):
         self._qext = quant.load()
         super().__init__(model, products="exact")
         # the embedding as stored where it can be (the float32 table is then never read: its pages stay on disk)
-        stored = q8_embedding(self.source, model, self.output) if self.source is not None else None
+        stored = stored_embedding(self.source, model, self.output) if self.source is not None else None
         if stored is not None:
             self.embedding = stored
         elif from_gguf(model):
-            raise DartreeError(f"{self.source.path.name}: the token embedding is not Q8_0; a target straight from the "
-                               "file needs it stored as Q8_0 (load with weights='float32')")
+            t = self.source.tensors.get("token_embd.weight")
+            raise DartreeError(f"{self.source.path.name}: the token embedding is "
+                               f"{t.tensor_type.name if t is not None else 'missing'}; a target straight from the file "
+                               f"takes it as {', '.join(quant.TYPES)} (load with weights='float32')")
         # the file's mapping is dropped once every weight is packed: what stays resident is the packed weights
         self.source = None
         self.products = weights  # "file" or "q8_0": ``product`` below, not the float kernels
