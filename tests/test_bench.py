@@ -389,3 +389,15 @@ def test_bench_leaves_out_the_llama_cpp_peers_where_llama_cpp_is_not_built(tmp_p
     assert "llama.cpp-f32" in DEFAULT_METHODS and "llama.cpp-f32" not in default and "ar" in default
     assert "leaving out the llama.cpp peers" in capsys.readouterr().err
     assert bench_methods("ar,llama.cpp-f32", replay=True) == ["ar", "llama.cpp-f32"]  # replay runs no peer
+
+
+def test_the_llama_cpp_peers_are_refused_beside_a_target_that_is_not_the_bundled_model(capsys):
+    """They decode the bundled model's files: beside another --target they would time another model."""
+    from dartree.cli.bench import DEFAULT_METHODS, bench_methods
+    from dartree.errors import DartreeError
+
+    with pytest.raises(DartreeError, match="bundled model's GGUF files"):
+        bench_methods("ar,llama.cpp-q4_1", bundled=False)
+    default = bench_methods(DEFAULT_METHODS, bundled=False)
+    assert "ar" in default and not any(m.startswith("llama.cpp") for m in default)
+    assert "bundled model's GGUF files" in capsys.readouterr().err

@@ -143,10 +143,10 @@ def plain_hf_model(pipe) -> torch.nn.Module:
     Hugging Face's own attention and products (dartree's loading changes both on a CPU), once per
     target, dtype and device. The Hugging Face peers run on it."""
     model = pipe.target_model
-    if from_gguf(model):  # the target on the bundled file as stored: the peers load its float32 checkpoint
-        from ..default_model import default_target_dir
+    if from_gguf(model):  # a target on a GGUF file as stored: the peers load the file's float32 checkpoint
+        from ..default_model import gguf_checkpoint_dir
 
-        key = (str(default_target_dir()), str(model.dtype), "cpu")
+        key = (str(gguf_checkpoint_dir(model.dartree_gguf_file)), str(model.dtype), "cpu")
     else:
         key = (str(model.config._name_or_path), str(model.dtype), str(model.device))
     if key not in _PLAIN_MODELS:

@@ -179,14 +179,16 @@ def parse_shard(text: str | None) -> tuple[int, int]:
     return index - 1, count
 
 
-def bench_methods(text: str, replay: bool = False) -> list[str]:
+def bench_methods(text: str, replay: bool = False, bundled: bool = True) -> list[str]:
     """The methods and peers of ``--methods``, checked. The llama.cpp peers need llama.cpp built
     (``scripts/build_llama_cpp.sh``): asked for by name where it is not, that is an error that says
-    how to build it; in the default list they are left out with a note (replay runs no peer)."""
+    how to build it; in the default list they are left out with a note (replay runs no peer). They decode
+    the bundled model's files, so with another target (``bundled`` False) they are refused the same way."""
     methods = [m.strip() for m in text.split(",") if m.strip()]
     for m in methods:
         builder_class(m, others=PEERS)
-    absent = llama_cpp.missing()
+    absent = llama_cpp.missing() if bundled else (
+        "the llama.cpp peers decode the bundled model's GGUF files, not this --target's: leave them out of --methods")
     if absent and any(m in llama_cpp.LLAMA_PEERS for m in methods) and not replay:
         if text != DEFAULT_METHODS:
             raise DartreeError(absent)
@@ -206,7 +208,7 @@ def run_bench(args) -> int:
     for d in datasets:
         if d not in DATASETS:
             raise DartreeError(f"unknown dataset {d!r}; choose from {', '.join(DATASETS)} or 'all'")
-    methods = bench_methods(args.methods, args.replay)
+    methods = bench_methods(args.methods, args.replay, bundled=args.target is None)
     temps = _floats(args.temperatures, "temperatures")
     lists = tree_lists(args)
     budgets = lists.pop("budget")

@@ -197,6 +197,7 @@ def model_from_gguf(config_dir: str | Path, source: GGUFTensors) -> nn.Module:
         model.model.norm.weight = nn.Parameter(source.float_tensor("output_norm.weight"), requires_grad=False)
         model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)  # its tables, on the CPU
     model.dartree_weights_in_gguf = True  # what ``lean.from_gguf`` reads
+    model.dartree_gguf_file = source.path  # the file (the bench's Hugging Face peers load its float32 checkpoint)
     return model.eval()
 
 
