@@ -13,6 +13,7 @@ digest of its header (``gguf_config_dir``, ``gguf_checkpoint_dir``).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
@@ -63,18 +64,30 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
 
     # A folder of its own: two processes started together on a fresh machine both convert.
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=out_dir.name + ".partial-"))
-    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    quantised = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    state = quantised.state_dict()
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(state, strict=False)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    with _conversion(gguf, tmp, "dequantise it"):
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        quantised = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        state = quantised.state_dict()
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(state, strict=False)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
     publish(tmp, out_dir)
+
+
+@contextlib.contextmanager
+def _conversion(gguf: Path, tmp: Path, what: str):
+    """A conversion into ``tmp`` that fails leaves no half-written folder and says so in one line."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - whatever transformers raised on this file
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"{gguf.name}: transformers could not {what} ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else ''})") from exc
 
 
 def write_gguf_config(gguf: Path, out_dir: Path) -> None:
@@ -83,17 +96,18 @@ def write_gguf_config(gguf: Path, out_dir: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=out_dir.name + ".partial-"))
-    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    with torch.device("meta"):  # the module only for the config and generation config it writes, no weights
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.config.architectures = [type(model).__name__]  # as the float32 checkpoint's config says it
-    model.config.save_pretrained(tmp)
-    model.generation_config.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    with _conversion(gguf, tmp, "read its config and tokenizer"):
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        with torch.device("meta"):  # the module only for the config and generation config it writes, no weights
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.config.architectures = [type(model).__name__]  # as the float32 checkpoint's config says it
+        model.config.save_pretrained(tmp)
+        model.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
     publish(tmp, out_dir)
 
 
@@ -113,15 +127,23 @@ def is_gguf_file(target) -> bool:
     return isinstance(target, (str, Path)) and str(target).lower().endswith(".gguf")
 
 
+DIGEST_SAMPLES = 32  # 64 KiB pieces of a file read into its cache name's digest, spread over the whole file
+
+
 def gguf_cache_name(gguf: Path) -> str:
-    """The cache folder name of a GGUF file's config / dequantised checkpoint: its name and a digest of its size
-    and first MiB (the header: the model's fields), so that another file of the same name is another entry.
-    The bundled file keeps its plain name."""
+    """The cache folder name of a GGUF file's config / dequantised checkpoint: its name and a digest of its size,
+    its first MiB (the header: the model's fields) and ``DIGEST_SAMPLES`` pieces spread over its weights and its
+    end, so that another file of the same name and size (two fine-tunes of one base model quantised alike, whose
+    headers agree) is another entry. Reads ~3 MiB whatever the file's size. The bundled file keeps its plain name."""
     if gguf.resolve() == _bundled_gguf():
         return CHECKPOINT_NAME
-    digest = hashlib.sha256(str(gguf.stat().st_size).encode())
+    size = gguf.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
     with open(gguf, "rb") as f:
         digest.update(f.read(1 << 20))
+        for i in range(1, DIGEST_SAMPLES + 1):
+            f.seek(max(0, size * i // DIGEST_SAMPLES - (64 << 10)))
+            digest.update(f.read(64 << 10))
     stem = re.sub(r"[^A-Za-z0-9._-]+", "-", gguf.stem).strip("-").lower() or "model"
     return f"{stem}-{digest.hexdigest()[:12]}"
 

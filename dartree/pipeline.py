@@ -19,7 +19,7 @@ from .errors import DartreeError, require
 from .hardware import release_freed_memory, set_threads
 from .loading import check_pair, cpu_products, load_drafter, load_target, load_tokenizer, parse_dtype, resolve_device
 from .prompts import chat_token_ids
-from .settings import DEFAULT_METHOD, DRAFTER_FREE_METHOD, GenerationSettings
+from .settings import DEFAULT_METHOD, DRAFTER_FREE_METHOD, HEADLESS_DRAFTER_METHOD, GenerationSettings
 from .proposers import Proposer, make_proposer
 from .proposers.suffix_cache import SuffixCache
 from .structured import Constraint, Grammars, OutputFormat
@@ -197,9 +197,12 @@ class Pipeline:
 
     @property
     def default_method(self) -> str:
-        """The method a generation runs when none is named: ``dartree`` with a drafter and its head, else the
-        speculative method that needs no drafter (``settings.DRAFTER_FREE_METHOD``)."""
-        return DEFAULT_METHOD if DEFAULT_METHOD in self.methods else DRAFTER_FREE_METHOD
+        """The method a generation runs when none is named: ``dartree`` with a drafter and its head, DDTree with a
+        drafter alone, else the speculative method that needs no drafter (``settings.DRAFTER_FREE_METHOD``)."""
+        for method in (DEFAULT_METHOD, HEADLESS_DRAFTER_METHOD):
+            if method in self.methods:
+                return method
+        return DRAFTER_FREE_METHOD
 
     @property
     def methods(self) -> tuple[str, ...]:
@@ -360,6 +363,10 @@ def load(target: str | Path | None = None, drafter: str | Path | None = None, dt
             target = gguf_config_dir(gguf)
             model, gguf = model_from_gguf(target, source), source
         else:
+            require("rope_freqs.weight" not in source.tensors,
+                    f"{gguf.name} scales its RoPE frequencies (a rope_freqs tensor, as Llama 3.1+ files do), which "
+                    "transformers' GGUF reader drops: its float32 checkpoint would not be this model; run it as stored "
+                    "(weights='file', on the CPU in float32)")
             target = gguf_checkpoint_dir(gguf)
     elif weights == "file":
         raise DartreeError("weights='file' runs a GGUF file as stored (the bundled model's, or a .gguf target); for a "

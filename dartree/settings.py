@@ -16,8 +16,10 @@ from .verify import Sampler
 
 DEFAULT_METHOD = "dartree"
 # The default of a pipeline without a drafter (a target the user brings, no drafter trained for it): the
-# speculative method that needs none (``Pipeline.default_method``)
+# speculative method that needs none; with a drafter but no correction head (a DFlash drafter): DDTree's tree
+# (``Pipeline.default_method``)
 DRAFTER_FREE_METHOD = "ngram"
+HEADLESS_DRAFTER_METHOD = "ddtree"
 
 
 def _is_int(value) -> bool:

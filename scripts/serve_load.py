@@ -13,6 +13,9 @@ of the seven benchmarks, each prompt once, streamed, T = 0) through the OpenAI A
   Q4_1 file as stored), and
 - ``llama-server -np C`` on the F32 GGUF of the same weights and on the shipped Q4_1 file.
 
+With ``--target FILE.gguf`` both serve that file instead (a model the user brings): ``dartree serve --target FILE``
+(no drafter: ``ar`` and ``ngram`` by default) and the ``llama.cpp-target`` peer, ``llama-server`` on FILE.
+
 Reported per (engine, C): throughput (completion tokens over the wall time from the first request
 to the last answer), p50/p95 latency, p50/p95/p99 time to first token, resident memory, and for dartree how
 many answers differ from the same request served at the first C; the throughput ratio is against the
@@ -34,17 +37,20 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PEERS = {"llama.cpp-f32": ("llama.cpp F32", 18091), "llama.cpp-q4_1": ("llama.cpp Q4_1", 18092)}  # name: (label, port)
+# name: (label, port); llama.cpp-target: llama-server on the --target file
+PEERS = {"llama.cpp-f32": ("llama.cpp F32", 18091), "llama.cpp-q4_1": ("llama.cpp Q4_1", 18092),
+         "llama.cpp-target": ("llama.cpp on the target file", 18093)}
 
 
-def start_dartree(method: str, threads: int, slots: int, port: int, max_tokens: int) -> subprocess.Popen:
+def start_dartree(method: str, threads: int, slots: int, port: int, max_tokens: int, target: str | None = None) -> subprocess.Popen:
     """``method`` is a method name, or ``name:budget`` for a fixed per-request budget, either followed by
     ``@weights`` for the target's weights (``--weights``: file, float32, q8_0; default auto)."""
     method, _, weights = method.partition("@")
     name, _, budget = method.partition(":")
     proc = subprocess.Popen([str(ROOT / ".venv" / "bin" / "dartree"), "serve", "--port", str(port), "--threads", str(threads),
                              "--max-batch", str(slots), "--max-queue", "64", "--method", name, "--max-new-tokens", str(max_tokens),
-                             *(["--budget", budget] if budget else []), *(["--weights", weights] if weights else [])],
+                             *(["--budget", budget] if budget else []), *(["--weights", weights] if weights else []),
+                             *(["--target", target] if target else [])],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     from dartree.bench.llama_cpp import wait_healthy
 
@@ -104,18 +110,26 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,2,4,8,16")
     ap.add_argument("--prompts", type=int, default=24)
     ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--methods", default="ar,dartree",
+    ap.add_argument("--target", default=None, help="a GGUF file to serve instead of the bundled model (both servers)")
+    ap.add_argument("--methods", default=None,
                     help="dartree methods to serve, comma-separated: a name (budget auto where ranked) or name:budget "
-                         "for a fixed per-request budget, e.g. ar,dartree,dartree:8")
-    ap.add_argument("--peers", default="llama.cpp-f32,llama.cpp-q4_1",
-                    help="llama-server peers, comma-separated, from: " + ", ".join(PEERS) + " (default both)")
+                         "for a fixed per-request budget, e.g. ar,dartree,dartree:8 (default ar,dartree; ar,ngram with "
+                         "--target)")
+    ap.add_argument("--peers", default=None,
+                    help="llama-server peers, comma-separated, from: " + ", ".join(PEERS) + " (default llama.cpp-f32,"
+                         "llama.cpp-q4_1; llama.cpp-target with --target)")
     ap.add_argument("--no-llama", action="store_true", help="skip the llama.cpp columns")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    peers = [] if args.no_llama else args.peers.split(",")
+    if args.target is not None and not Path(args.target).is_file():
+        ap.error(f"--target {args.target}: no such file")
+    args.methods = args.methods or ("ar,ngram" if args.target else "ar,dartree")
+    peers = [] if args.no_llama else (args.peers or ("llama.cpp-target" if args.target else "llama.cpp-f32,llama.cpp-q4_1")).split(",")
     unknown = [p for p in peers if p not in PEERS]
     if unknown:
         ap.error(f"unknown peer {unknown[0]!r}; choose from {', '.join(PEERS)}")
+    if ("llama.cpp-target" in peers) != bool(args.target) or (args.target and len(peers) > 1):
+        ap.error("llama.cpp-target is the peer of a --target file, and the only one beside it")
 
     import torch
 
@@ -130,12 +144,12 @@ def main() -> None:
     per = -(-args.prompts // len(DATASETS))
     prompts = [s.turns[0] for ds in DATASETS for s in select(load_samples(ds), per)][: args.prompts]
     levels = [int(c) for c in args.concurrency.split(",")]
-    dartree.load(threads=args.threads).cost_model()  # measured (or read from the cache) before any clock starts
+    dartree.load(args.target, threads=args.threads).cost_model()  # measured (or read from the cache) before any clock starts
     rows, records = [], []
     alone: dict[str, dict[int, str]] = {}
     for method in args.methods.split(","):
         for c in levels:
-            proc = start_dartree(method, args.threads, c, 18090, args.max_tokens)
+            proc = start_dartree(method, args.threads, c, 18090, args.max_tokens, args.target)
             try:
                 recs, wall = run_clients("http://127.0.0.1:18090/v1", "dartree", prompts, c, args.max_tokens, {})
                 memory = resident_mb(proc.pid)
@@ -152,7 +166,8 @@ def main() -> None:
     for peer in peers:
         label, port = PEERS[peer]
         for c in levels:
-            with llama_cpp.LlamaServer(llama_cpp.peer_weights(peer), args.threads, port, slots=c, context_per_slot=2048) as server:
+            weights = Path(args.target) if peer == "llama.cpp-target" else llama_cpp.peer_weights(peer)
+            with llama_cpp.LlamaServer(weights, args.threads, port, slots=c, context_per_slot=2048) as server:
                 recs, wall = run_clients(f"{server.base_url}/v1", "x", prompts, c, args.max_tokens,
                                          {"top_k": 1, "seed": 0, "cache_prompt": False})
                 row = {"engine": label, "concurrency": c, **summarize(recs, wall), "rss_mb": round(resident_mb(server.proc.pid), 0),
@@ -163,6 +178,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     summary = {"machine": describe_machine(), "threads": args.threads, "torch": torch.__version__, "prompts": len(prompts),
+               "target": args.target or "bundled SmolLM2-135M-Instruct Q4_1",
                "max_tokens": args.max_tokens, "command": " ".join(sys.argv), "rows": rows}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     (out / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))

@@ -68,6 +68,21 @@ def test_a_target_without_a_drafter_runs_the_drafter_free_method_unless_told(mod
     assert "needs a drafter" in capsys.readouterr().err
 
 
+def test_bench_beside_a_target_without_a_drafter_runs_the_methods_that_need_none(model_dirs, tmp_path, capsys):
+    """The default list leaves out the drafter's methods with a note; one named is refused before any model loads."""
+    from dartree.cli.bench import DEFAULT_METHODS
+
+    target = str(model_dirs[("llama", "target")])
+    assert main(["bench", "--target", target, "--methods", "ar,dartree", "--out", str(tmp_path / "x")]) == 2
+    assert "dartree need a drafter" in capsys.readouterr().err and not (tmp_path / "x").exists()
+    assert main(["bench", "--target", target, "--methods", DEFAULT_METHODS, "--dtype", "float64", "--limit", "1",
+                 "--datasets", "gsm8k", "-n", "4", "--out", str(tmp_path / "y")]) == 0
+    err = capsys.readouterr().err
+    assert "leaving out the methods that need a drafter" in err
+    methods = {json.loads(line)["method"] for line in (tmp_path / "y" / "records.jsonl").read_text().splitlines()}
+    assert methods and "ar" in methods and "ngram" in methods and "dartree" not in methods
+
+
 def test_errors_are_one_clear_line(model_dirs, capsys):
     rc = main(["generate", "w1", "--target", str(model_dirs[("llama", "target")]),
                "--drafter", str(model_dirs[("llama", "domino")]), "--beta", "0.5"])

@@ -236,3 +236,20 @@ def test_a_bad_gguf_target_gives_one_clear_line_before_any_work(tmp_path, monkey
         with pytest.raises(dartree.DartreeError, match="not a readable GGUF file"):
             dartree.load(str(truncated), cost_model=None, weights=weights)
     assert not (tmp_path / "cache").exists()  # nothing was written for a file that cannot run
+
+
+def test_two_files_of_one_name_and_size_get_two_cache_folders(tmp_path):
+    """Two fine-tunes quantised alike share a name, a size and a header: the digest reads their weights too."""
+    from dartree.default_model import CHECKPOINT_NAME, gguf_cache_name, gguf_path
+
+    body = bytearray(b"GGUF" + bytes(range(256)) * 40000)  # ~10 MB
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "model.gguf").write_bytes(bytes(body))
+    for i in range(2 << 20, len(body), 4096):  # the "weights" differ throughout, as a fine-tune's do; the header not
+        body[i] ^= 1
+    (tmp_path / "b" / "model.gguf").write_bytes(bytes(body))
+    a, b = gguf_cache_name(tmp_path / "a" / "model.gguf"), gguf_cache_name(tmp_path / "b" / "model.gguf")
+    assert a.startswith("model-") and b.startswith("model-") and a != b
+    assert gguf_cache_name(tmp_path / "a" / "model.gguf") == a  # the same file, the same folder
+    assert gguf_cache_name(gguf_path()) == CHECKPOINT_NAME  # the bundled file keeps the folders it always had

@@ -172,3 +172,16 @@ def test_retired_spellings_name_the_new_one(pipe):
     # an unknown keyword is an error too, with the known ones
     with pytest.raises(dartree.DartreeError, match=r"unknown generation setting\(s\) tree_topk; known: .*tree_top_k"):
         pipe.generate(input_ids=[1], tree_topk=5)
+
+
+def test_a_pipeline_runs_by_default_the_best_method_it_has(pipelines, model_dirs):
+    """dartree with a drafter and its head, DDTree with a drafter alone, ngram with none; each one's default text is
+    greedy decoding's."""
+    import dartree
+
+    alone = dartree.load(model_dirs[("llama", "target")], dtype=torch.float64)
+    for pipe, method in ((pipelines[("llama", "domino")], "dartree"), (pipelines[("llama", None)], "ddtree"),
+                         (alone, "ngram")):
+        assert pipe.default_method == method and method in pipe.methods
+        want = pipe.generate(input_ids=[1, 2, 3, 1, 2], method="ar", max_new_tokens=8, stop_token_ids=[]).token_ids
+        assert pipe.generate(input_ids=[1, 2, 3, 1, 2], max_new_tokens=8, stop_token_ids=[], budget=4).token_ids == want

@@ -30,7 +30,7 @@ LLAMA_ROLES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_pr
 
 
 def write_tiny_gguf(model_dir, out_dir, qtype=gguf.GGMLQuantizationType.Q4_1, tied=False,
-                    embed_qtype=gguf.GGMLQuantizationType.Q8_0, norms=False):
+                    embed_qtype=gguf.GGMLQuantizationType.Q8_0, norms=False, v_qtype=None, rope_freqs=None):
     """Quantise a tiny float32 Llama's linear weights to ``qtype`` (the output layer to Q8_0) into a
     GGUF file with llama.cpp's names and q/k row order, and save the model with the dequantised
     values (what a checkpoint converted from that file holds). ``tied``: no ``output.weight`` in the
@@ -61,7 +61,8 @@ def write_tiny_gguf(model_dir, out_dir, qtype=gguf.GGMLQuantizationType.Q4_1, ti
             for hf, name in LLAMA_ROLES.items():
                 module = getattr(block.self_attn if hf.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else block.mlp, hf)
                 heads = cfg.num_attention_heads if hf == "q_proj" else cfg.num_key_value_heads if hf == "k_proj" else None
-                put(f"blk.{i}.{name}.weight", module.weight, qtype, heads if arch == "llama" else None)
+                kind = v_qtype if (hf == "v_proj" and v_qtype is not None) else qtype  # Q4_K_M's mixed layers
+                put(f"blk.{i}.{name}.weight", module.weight, kind, heads if arch == "llama" else None)
             if norms:  # the F32 norms a real file holds (a target straight from the file reads them from it)
                 parts = {"attn_norm": block.input_layernorm, "ffn_norm": block.post_attention_layernorm}
                 if arch == "qwen3":
@@ -70,6 +71,8 @@ def write_tiny_gguf(model_dir, out_dir, qtype=gguf.GGMLQuantizationType.Q4_1, ti
                     writer.add_tensor(f"blk.{i}.{name}.weight", norm.weight.detach().numpy().astype(np.float32))
         if norms:
             writer.add_tensor("output_norm.weight", model.model.norm.weight.detach().numpy().astype(np.float32))
+        if rope_freqs is not None:  # Llama 3.1+'s RoPE scaling as llama.cpp's converter stores it
+            writer.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
         if not tied:
             put("output.weight", model.lm_head.weight, gguf.GGMLQuantizationType.Q8_0)
         put("token_embd.weight", model.model.embed_tokens.weight, embed_qtype)
@@ -256,6 +259,72 @@ def test_a_target_straight_from_the_file_computes_the_checkpoints_file_target(tm
         want = b.generate(input_ids=[3, 1, 4, 1, 3, 1, 4], method=method, max_new_tokens=16, stop_token_ids=[]).token_ids
         assert a.generate(input_ids=[3, 1, 4, 1, 3, 1, 4], method=method, max_new_tokens=16,
                           stop_token_ids=[]).token_ids == want
+
+
+def _llama3_factors(cfg) -> list[float]:
+    """The per-frequency divisors llama.cpp's converter writes as ``rope_freqs`` for a Llama 3.1 rope config."""
+    rp = cfg.rope_parameters
+    dim = cfg.hidden_size // cfg.num_attention_heads
+    low_wavelen = rp["original_max_position_embeddings"] / rp["low_freq_factor"]
+    high_wavelen = rp["original_max_position_embeddings"] / rp["high_freq_factor"]
+    factors = []
+    for i in range(0, dim, 2):
+        wavelen = 2 * math.pi * rp["rope_theta"] ** (i / dim)
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(rp["factor"])
+        else:
+            smooth = (rp["original_max_position_embeddings"] / wavelen - rp["low_freq_factor"]) / (
+                rp["high_freq_factor"] - rp["low_freq_factor"])
+            factors.append(1 / ((1 - smooth) / rp["factor"] + smooth))
+    return factors
+
+
+def test_a_files_rope_frequency_factors_scale_its_rope_tables(tmp_path):
+    """A Llama 3.1+ file's ``rope_freqs`` divide the RoPE frequencies of the target straight from the file (what
+    llama.cpp does, and what Hugging Face's llama3 rope type computes from the same parameters); without them the
+    tables, and so the logits, differ."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from dartree.targets.quantized import model_from_gguf
+
+    target = make_tiny_target(tmp_path / "t", family="llama", vocab_size=24, hidden_size=64, num_layers=2, seed=19,
+                              logit_scale=3.0)
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+    factors = _llama3_factors(LlamaConfig(hidden_size=64, num_attention_heads=4, rope_parameters=rope))
+    assert 1.0 in factors and 8.0 in factors and any(1 < f < 8 for f in factors)  # every regime of the scaling
+    (tmp_path / "scaled").mkdir()
+    (tmp_path / "plain").mkdir()
+    checkpoint, scaled = write_tiny_gguf(target, tmp_path / "scaled", norms=True, rope_freqs=factors)
+    _, plain = write_tiny_gguf(target, tmp_path / "plain", norms=True)
+    a, b = model_from_gguf(checkpoint, GGUFTensors(scaled)), model_from_gguf(checkpoint, GGUFTensors(plain))
+    base = b.model.rotary_emb.inv_freq
+    assert torch.equal(a.model.rotary_emb.inv_freq, base / torch.tensor(factors))
+    hf, _ = ROPE_INIT_FUNCTIONS["llama3"](LlamaConfig(hidden_size=64, num_attention_heads=4, rope_parameters=rope), "cpu")
+    assert torch.allclose(a.model.rotary_emb.inv_freq, hf.to(base.dtype), rtol=1e-6, atol=0)
+    cost = synthetic_cost(1.0, 0.05)
+    ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6, 5, 3])
+    (la, _), (lb, _) = (prefill(Pipeline(m, None, weights="file", gguf=f, cost_model=cost).target, ids)
+                        for m, f in ((a, scaled), (b, plain)))
+    assert not torch.equal(la, lb)  # the scaled tables reach the forward
+
+
+def test_a_file_mixing_types_within_one_product_is_refused_or_left_to_float32(tmp_path, capsys):
+    """llama.cpp's Q4_K_M stores some layers' v rows as Q6_K beside Q4_K q and k: one product here takes one type, so
+    ``file_target_reason`` says so (weights='auto' then takes float32) and the file target refuses it clearly."""
+    from dartree.targets.quantized import file_target_reason
+
+    target = make_tiny_target(tmp_path / "t", family="llama", vocab_size=24, hidden_size=64, num_layers=2, seed=23)
+    checkpoint, path = write_tiny_gguf(target, tmp_path, norms=True, v_qtype=gguf.GGMLQuantizationType.Q8_0)
+    reason = file_target_reason(GGUFTensors(path))
+    assert reason is not None and "attn_q/attn_k/attn_v are Q4_1/Q4_1/Q8_0" in reason
+    with pytest.raises(DartreeError, match="mixes quantisation types"):
+        QuantizedWeights(load_target(checkpoint, torch.float32, "cpu"), "file", path)
+    (tmp_path / "one").mkdir()
+    assert file_target_reason(GGUFTensors(write_tiny_gguf(target, tmp_path / "one", norms=True)[1])) is None
 
 
 @pytest.mark.parametrize("embed_qtype", ["Q4_0", "Q4_1"])

@@ -295,6 +295,8 @@ def test_a_server_of_a_target_without_a_drafter_answers_with_the_drafter_free_me
         named = httpx.post(server.url + "/v1/chat/completions",
                            json={"model": "tiny", "messages": messages, "max_tokens": 4, "method": "dartree"})
         assert named.status_code == 400 and "needs a drafter" in named.text
+    with pytest.raises(dartree.DartreeError, match="cannot run on this pipeline"):  # defaults it cannot serve
+        create_app(pipe, dartree.GenerationSettings(method="dartree"))
 
 
 def test_text_assembler_never_splits_a_character_and_holds_back_a_possible_stop():

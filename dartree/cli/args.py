@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from .. import quant
 from ..errors import DartreeError
-from ..settings import DRAFTER_FREE_METHOD, GenerationSettings
+from ..settings import DRAFTER_FREE_METHOD, HEADLESS_DRAFTER_METHOD, GenerationSettings
 from ..targets.quantized import FILE_ARCHITECTURES, WEIGHTS
 from ..trees import BUILDERS, TreeSettings
 from ..trees.base import RETIRED_NOTES
@@ -58,7 +58,8 @@ def add_generation_args(p: argparse.ArgumentParser, names: tuple[str, ...] | Non
         shown = 'off' if setting.default is None else setting.default
         default = setting.default
         if setting.name == "method":  # left unset: the loaded pipeline's default (``Pipeline.default_method``)
-            default, shown = None, f"{setting.default}; {DRAFTER_FREE_METHOD} for a target loaded without a drafter"
+            default, shown = None, (f"{setting.default}; {HEADLESS_DRAFTER_METHOD} with a drafter that has no correction "
+                                    f"head, {DRAFTER_FREE_METHOD} without a drafter")
         p.add_argument(*meta["flags"], dest=setting.name, type=_argument_type(setting), default=default,
                        choices=meta["choices"], metavar=setting.name.upper() if meta["choices"] else None,
                        help=f"{defaults_of}{meta['help']}{choices} (default {shown})")

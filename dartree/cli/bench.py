@@ -18,7 +18,7 @@ from ..errors import DartreeError
 from ..loading import parse_dtype
 from ..pipeline import load as load_pipeline
 from ..settings import GenerationSettings
-from ..trees import METHODS, TreeSettings, builder_class
+from ..trees import METHODS, TreeSettings, available_methods, builder_class
 from .args import add_generation_args, add_model_args, add_retired_flags, add_threads_arg, add_tree_args, tree_settings
 
 DEFAULT_METHODS = ",".join(METHODS + PEERS)
@@ -209,6 +209,15 @@ def run_bench(args) -> int:
         if d not in DATASETS:
             raise DartreeError(f"unknown dataset {d!r}; choose from {', '.join(DATASETS)} or 'all'")
     methods = bench_methods(args.methods, args.replay, bundled=args.target is None)
+    if args.target is not None and args.drafter is None:  # no drafter: the methods that need one cannot run
+        free = available_methods(False, False)
+        needing = [m for m in methods if m not in PEERS and m not in free]
+        if needing and args.methods != DEFAULT_METHODS:
+            raise DartreeError(f"{', '.join(needing)} need a drafter (--drafter); without one: {', '.join(free)}")
+        if needing:
+            methods = [m for m in methods if m not in needing]
+            print(f"leaving out the methods that need a drafter (no --drafter for this --target): {', '.join(needing)}",
+                  file=sys.stderr)
     temps = _floats(args.temperatures, "temperatures")
     lists = tree_lists(args)
     budgets = lists.pop("budget")

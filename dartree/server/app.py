@@ -32,6 +32,9 @@ def create_app(pipe, defaults: GenerationSettings | None = None, model_name: str
     defaults, limits, keys = checked_config(defaults, limits, api_keys)
     if pipelines_method:
         defaults = replace(defaults, method=pipe.default_method)
+    if defaults.method not in pipe.methods:
+        raise DartreeError(f"the requests' default method {defaults.method!r} cannot run on this pipeline (it supports "
+                           f"{', '.join(pipe.methods)}); pick one of those (--method)")
     worker = EngineWorker(pipe, max_queue=max_queue, max_batch=max_batch)
     app = FastAPI(title="dartree", version=__version__)
     if keys:

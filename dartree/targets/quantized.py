@@ -137,6 +137,15 @@ def file_target_reason(source: GGUFTensors) -> str | None:
                     if t.tensor_type.name not in quant.TYPES and t.tensor_type.name != "F32"})
     if other:
         return f"it holds {', '.join(other)} weights (the products take {', '.join(quant.TYPES)})"
+    # q, k, v (and gate, up) are one product of one type: llama.cpp's Q4_K_M mixes Q6_K v rows into Q4_K layers
+    layers = sorted({int(name.split(".")[1]) for name in source.tensors if name.startswith("blk.")})
+    for layer in layers:
+        for role, parts in ROLES.items():
+            types = [source.tensors[f"blk.{layer}.{t}.weight"].tensor_type.name for t in parts
+                     if f"blk.{layer}.{t}.weight" in source.tensors]
+            if len(set(types)) > 1:
+                return (f"layer {layer}'s {'/'.join(parts)} are {'/'.join(types)} (one product here takes one type; "
+                        "llama.cpp's Q4_K_M mixes Q6_K into Q4_K layers: a Q4_0, Q4_1, Q8_0 or Q4_K_S file runs as stored)")
     return None
 
 
@@ -195,9 +204,25 @@ def model_from_gguf(config_dir: str | Path, source: GGUFTensors) -> nn.Module:
                 if norm is not None:
                     norm.weight = nn.Parameter(source.float_tensor(f"blk.{i}.{name}.weight"), requires_grad=False)
         model.model.norm.weight = nn.Parameter(source.float_tensor("output_norm.weight"), requires_grad=False)
-        model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)  # its tables, on the CPU
+        rotary = model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)  # its tables, on the CPU
+        scaled = (getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}).get("rope_type", "default")
+        if "rope_freqs.weight" in source.tensors and scaled == "default":
+            # Llama 3.1+ files carry their RoPE scaling as per-frequency factors that divide the frequencies (what
+            # llama.cpp applies; Hugging Face's llama3 rope type computes the same quotients), which the config
+            # read from the file's fields does not hold
+            factors = source.float_tensor("rope_freqs.weight").reshape(-1)
+            if factors.shape != rotary.inv_freq.shape:
+                raise DartreeError(f"{source.path.name}: rope_freqs holds {factors.numel()} factors for "
+                                   f"{rotary.inv_freq.numel()} RoPE frequencies")
+            rotary.inv_freq = rotary.inv_freq / factors
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    q_rows = int(source.tensors["blk.0.attn_q.weight"].shape[1])
+    if q_rows != head_dim * config.num_attention_heads:
+        raise DartreeError(f"{source.path.name}: layer 0's q projection has {q_rows} rows, not the config's "
+                           f"{config.num_attention_heads} heads x head_dim {head_dim}; this file's config is not read "
+                           "right here (load with weights='float32')")
     model.dartree_weights_in_gguf = True  # what ``lean.from_gguf`` reads
-    model.dartree_gguf_file = source.path  # the file (the bench's Hugging Face peers load its float32 checkpoint)
+    model.dartree_gguf_file = Path(source.path).resolve()  # the file (the bench's Hugging Face peers load its float32 checkpoint)
     return model.eval()
 
 
