@@ -106,6 +106,23 @@ def file_pipe(tiny_gguf):
 
 
 @pytest.fixture(scope="module")
+def mixed_gguf(tmp_path_factory):
+    """A file whose layers mix types within one product, as llama.cpp's Q4_K_M does (v rows in another type)."""
+    root = tmp_path_factory.mktemp("mixed")
+    target = make_tiny_target(root / "t", family="llama", vocab_size=16, hidden_size=64, num_layers=2, seed=29,
+                              logit_scale=3.0)
+    checkpoint, path = write_tiny_gguf(target, root, norms=True, v_qtype=gguf.GGMLQuantizationType.Q8_0)
+    return checkpoint, path, make_tiny_drafter(root / "d", checkpoint, head="domino", block_size=5, seed=31)
+
+
+@pytest.fixture(scope="module")
+def mixed_pipe(mixed_gguf):
+    checkpoint, path, drafter = mixed_gguf
+    return Pipeline(load_target(checkpoint, torch.float32, "cpu"), load_drafter(drafter, dtype=torch.float32),
+                    weights="file", gguf=path, cost_model=synthetic_cost(1.0, 0.05, draft_ms=0.5, tree_ms=0.2))
+
+
+@pytest.fixture(scope="module")
 def q8_pipe(model_dirs):
     pipe = dartree.load(model_dirs[("qwen3", "target")], model_dirs[("qwen3", "domino")], dtype=torch.float32,
                         weights="q8_0", cost_model=synthetic_cost(1.0, 0.05, draft_ms=0.5, tree_ms=0.2))
@@ -141,9 +158,9 @@ def test_the_file_target_looks_tokens_up_in_the_files_q8_0_embedding(file_pipe, 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_tree_rows_equal_their_paths_bitwise_on_quantised_weights(file_pipe, q8_pipe, data):
+def test_tree_rows_equal_their_paths_bitwise_on_quantised_weights(file_pipe, q8_pipe, mixed_pipe, data):
     """Each row of one tree forward has exactly the logits of its own path decoded one token at a time."""
-    target = data.draw(st.sampled_from([file_pipe.target, q8_pipe.target]))
+    target = data.draw(st.sampled_from([file_pipe.target, q8_pipe.target, mixed_pipe.target]))
     vocab = target.weights.vocab
     size = data.draw(st.integers(1, 40))
     parents = [-1] + [data.draw(st.integers(0, i)) for i in range(size)]
@@ -166,11 +183,11 @@ def test_tree_rows_equal_their_paths_bitwise_on_quantised_weights(file_pipe, q8_
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(which=st.sampled_from(["file", "q8_0"]), prompt=st.lists(st.integers(0, 7), min_size=1, max_size=12),
+@given(which=st.sampled_from(["file", "q8_0", "mixed"]), prompt=st.lists(st.integers(0, 7), min_size=1, max_size=12),
        method=st.sampled_from(METHODS), budget=st.sampled_from([4, 16, "auto"]), max_new_tokens=st.integers(1, 24))
-def test_every_method_reproduces_the_quantised_targets_greedy_text(file_pipe, q8_pipe, which, prompt, method, budget,
-                                                                  max_new_tokens):
-    pipe = file_pipe if which == "file" else q8_pipe
+def test_every_method_reproduces_the_quantised_targets_greedy_text(file_pipe, q8_pipe, mixed_pipe, which, prompt, method,
+                                                                  budget, max_new_tokens):
+    pipe = {"file": file_pipe, "q8_0": q8_pipe, "mixed": mixed_pipe}[which]
     ar = pipe.generate(input_ids=prompt, method="ar", max_new_tokens=max_new_tokens, stop_token_ids=[]).token_ids
     out = pipe.generate(input_ids=prompt, method=method, budget=budget, max_new_tokens=max_new_tokens, stop_token_ids=[])
     assert out.token_ids == ar
@@ -312,19 +329,21 @@ def test_a_files_rope_frequency_factors_scale_its_rope_tables(tmp_path):
     assert not torch.equal(la, lb)  # the scaled tables reach the forward
 
 
-def test_a_file_mixing_types_within_one_product_is_refused_or_left_to_float32(tmp_path, capsys):
-    """llama.cpp's Q4_K_M stores some layers' v rows as Q6_K beside Q4_K q and k: one product here takes one type, so
-    ``file_target_reason`` says so (weights='auto' then takes float32) and the file target refuses it clearly."""
-    from dartree.targets.quantized import file_target_reason
+def test_a_file_mixing_types_within_one_product_runs_it_in_parts(mixed_pipe, mixed_gguf):
+    """llama.cpp's Q4_K_M stores some layers' v rows as Q6_K beside Q4_K q and k: the product is then made of parts,
+    each on its own blocks as stored (q+k in one type, v in the other), outputs side by side; it is the checkpoint's
+    (checked at load) and exact like any file target (the hypothesis tests above and below run it too)."""
+    from dartree.targets.quantized import WeightInParts, file_target_reason
 
-    target = make_tiny_target(tmp_path / "t", family="llama", vocab_size=24, hidden_size=64, num_layers=2, seed=23)
-    checkpoint, path = write_tiny_gguf(target, tmp_path, norms=True, v_qtype=gguf.GGMLQuantizationType.Q8_0)
-    reason = file_target_reason(GGUFTensors(path))
-    assert reason is not None and "attn_q/attn_k/attn_v are Q4_1/Q4_1/Q8_0" in reason
-    with pytest.raises(DartreeError, match="mixes quantisation types"):
-        QuantizedWeights(load_target(checkpoint, torch.float32, "cpu"), "file", path)
-    (tmp_path / "one").mkdir()
-    assert file_target_reason(GGUFTensors(write_tiny_gguf(target, tmp_path / "one", norms=True)[1])) is None
+    weights = mixed_pipe.target.weights
+    qkv = weights.layers[0].qkv
+    assert isinstance(qkv, WeightInParts) and [w.qtype for w in qkv.parts] == ["Q4_1", "Q8_0"]
+    assert qkv.shape == (weights.layers[0].qkv.parts[0].shape[0] + weights.layers[0].qkv.parts[1].shape[0], 64)
+    assert mixed_pipe.target.name == "lean-q4_1+q8_0" and file_target_reason(GGUFTensors(mixed_gguf[1])) is None
+    float_target = LeanTarget(mixed_pipe.target_model, [])  # the checkpoint holds the file's dequantised values
+    ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
+    (q, _), (f, _) = prefill(mixed_pipe.target, ids), prefill(float_target, ids)
+    assert not torch.equal(q, f) and (q - f).abs().max() < 0.05 * f.abs().max()
 
 
 @pytest.mark.parametrize("embed_qtype", ["Q4_0", "Q4_1"])
@@ -449,14 +468,14 @@ def _random_batch(data, pasts: list[int], vocab: int):
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(data=st.data(), which=st.sampled_from(["file", "q8_0", "float32", "float64"]))
-def test_the_compiled_layer_loop_gives_the_python_loops_bits(file_pipe, q8_pipe, model_dirs, data, which):
+@given(data=st.data(), which=st.sampled_from(["file", "q8_0", "mixed", "float32", "float64"]))
+def test_the_compiled_layer_loop_gives_the_python_loops_bits(file_pipe, q8_pipe, mixed_pipe, model_dirs, data, which):
     """``lean.forward`` runs its layer loop in one compiled call (forward_kernels.cpp); the loop written in
     Python over the same kernels is its reference: the same states, tapped states and K/V store, bit for
     bit, for quantised and float weights, random batches of trees over random contexts."""
     from dartree.targets.lean import KVStore, LeanWeights, forward
-    if which in ("file", "q8_0"):
-        weights = (file_pipe if which == "file" else q8_pipe).target.weights
+    if which in ("file", "q8_0", "mixed"):
+        weights = {"file": file_pipe, "q8_0": q8_pipe, "mixed": mixed_pipe}[which].target.weights
     else:
         model = load_target(model_dirs[("qwen3", "target")], getattr(torch, which), "cpu")
         weights = LeanWeights(model)

@@ -32,10 +32,14 @@ namespace quant_k {
 
 namespace {
 
+using Parts = std::vector<torch::Tensor>;  // one product's weight: one packed weight, or parts of different types
+using Sizes = std::vector<int64_t>;         // ... and each part's output size
+
 struct Forward {
   // per layer: packed products (quantised records, or float32 blocks), their output sizes, the norms
-  std::vector<torch::Tensor> qkv, o, gate_up, down, input_norm, post_norm, q_norm, k_norm;
-  std::vector<int64_t> qkv_n, o_n, gate_up_n, down_n;
+  std::vector<Parts> qkv, o, gate_up, down;
+  std::vector<torch::Tensor> input_norm, post_norm, q_norm, k_norm;
+  std::vector<Sizes> qkv_n, o_n, gate_up_n, down_n;
   torch::Tensor final_norm;
   bool quantized;
   int64_t heads, kv_heads;
@@ -43,6 +47,16 @@ struct Forward {
 
   torch::Tensor product(const torch::Tensor& x, const torch::Tensor& w, int64_t n, c10::optional<torch::Tensor> res) const {
     return quantized ? quant_k::qproduct(x, w, n, res) : lean_k::product(x, w, n, res);
+  }
+
+  // a weight stored in parts of different types (a GGUF file's q and k in Q4_K beside its v in Q6_K): each part's
+  // outputs are its own rows' products, side by side (an output's value does not depend on the others)
+  torch::Tensor product(const torch::Tensor& x, const Parts& w, const Sizes& n, c10::optional<torch::Tensor> res) const {
+    if (w.size() == 1) return product(x, w[0], n[0], res);
+    TORCH_CHECK(!res.has_value(), "forward: a product in parts takes no residual");
+    std::vector<torch::Tensor> outs;
+    for (size_t p = 0; p < w.size(); ++p) outs.push_back(product(x, w[p], n[p], c10::nullopt));
+    return torch::cat(outs, 1);
   }
 
   // x [n, H] the embedded rows; k, v the store [layers, slots, kv heads, capacity, head_dim]; the rest as
@@ -81,9 +95,9 @@ struct Forward {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Forward>(m, "Forward", "a lean target's forward with its weights bound once")
-      .def(py::init([](std::vector<torch::Tensor> qkv, std::vector<torch::Tensor> o, std::vector<torch::Tensor> gate_up,
-                       std::vector<torch::Tensor> down, std::vector<int64_t> qkv_n, std::vector<int64_t> o_n,
-                       std::vector<int64_t> gate_up_n, std::vector<int64_t> down_n, std::vector<torch::Tensor> input_norm,
+      .def(py::init([](std::vector<Parts> qkv, std::vector<Parts> o, std::vector<Parts> gate_up,
+                       std::vector<Parts> down, std::vector<Sizes> qkv_n, std::vector<Sizes> o_n,
+                       std::vector<Sizes> gate_up_n, std::vector<Sizes> down_n, std::vector<torch::Tensor> input_norm,
                        std::vector<torch::Tensor> post_norm, std::vector<torch::Tensor> q_norm,
                        std::vector<torch::Tensor> k_norm, torch::Tensor final_norm, bool quantized, int64_t heads,
                        int64_t kv_heads, double eps, double scale) {
@@ -92,6 +106,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                              gate_up_n.size() == L && down_n.size() == L && input_norm.size() == L &&
                              post_norm.size() == L && q_norm.size() == L && k_norm.size() == L,
                          "Forward: one of each weight a layer");
+             for (const auto* role : {&qkv, &o, &gate_up, &down})
+               for (const Parts& w : *role) TORCH_CHECK(!w.empty(), "Forward: a weight of no parts");
+             for (size_t i = 0; i < L; ++i)
+               TORCH_CHECK(qkv[i].size() == qkv_n[i].size() && o[i].size() == o_n[i].size() &&
+                               gate_up[i].size() == gate_up_n[i].size() && down[i].size() == down_n[i].size(),
+                           "Forward: one output size a part");
              return Forward{qkv, o, gate_up, down, input_norm, post_norm, q_norm, k_norm, qkv_n, o_n, gate_up_n, down_n,
                             final_norm, quantized, heads, kv_heads, eps, scale};
            }))

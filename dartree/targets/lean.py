@@ -154,10 +154,13 @@ class LeanWeights:
             if module is not None:
                 sizes = {"qkv": (self.heads + 2 * self.kv_heads) * self.head_dim, "o": self.hidden,
                          "gate_up": 2 * self.intermediate, "down": self.hidden}
-                # a quantised weight's packed records, or the float32 packed blocks themselves
-                weights = {role: [getattr(layer, role).packed if self.integer_products else getattr(layer, role)
-                                  for layer in self.layers] for role in sizes}
-                outputs = {role: [size] * len(self.layers) for role, size in sizes.items()}
+                # per layer and role, the weight's parts (one, or a quantised file's parts of different types):
+                # a quantised part's packed records, or the float32 packed blocks themselves
+                weights, outputs = {}, {}
+                for role, size in sizes.items():
+                    parts = [self.weight_parts(getattr(layer, role), size) for layer in self.layers]
+                    weights[role] = [[w for w, _ in layer_parts] for layer_parts in parts]
+                    outputs[role] = [[n for _, n in layer_parts] for layer_parts in parts]
                 norms = {name: [getattr(layer, name) for layer in self.layers]
                          for name in ("input_norm", "post_norm", "q_norm", "k_norm")}
                 self._bound = module.Forward(weights["qkv"], weights["o"], weights["gate_up"], weights["down"],
@@ -166,6 +169,10 @@ class LeanWeights:
                                              self.final_norm, self.integer_products, self.heads, self.kv_heads, self.eps,
                                              self.scale)
         return self._bound
+
+    def weight_parts(self, weight, n: int) -> list[tuple[torch.Tensor, int]]:
+        """A product's weight as the compiled loop takes it: (packed part, its output size) for each part."""
+        return [(weight, n)]
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Hugging Face's own cos/sin [n, head_dim] at ``positions`` (tables grown by doubling)."""

@@ -13,6 +13,7 @@ a float32 Hugging Face model's weights to Q8_0 (GGUF's own format, bit for bit).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -137,16 +138,19 @@ def file_target_reason(source: GGUFTensors) -> str | None:
                     if t.tensor_type.name not in quant.TYPES and t.tensor_type.name != "F32"})
     if other:
         return f"it holds {', '.join(other)} weights (the products take {', '.join(quant.TYPES)})"
-    # q, k, v (and gate, up) are one product of one type: llama.cpp's Q4_K_M mixes Q6_K v rows into Q4_K layers
-    layers = sorted({int(name.split(".")[1]) for name in source.tensors if name.startswith("blk.")})
-    for layer in layers:
-        for role, parts in ROLES.items():
-            types = [source.tensors[f"blk.{layer}.{t}.weight"].tensor_type.name for t in parts
-                     if f"blk.{layer}.{t}.weight" in source.tensors]
-            if len(set(types)) > 1:
-                return (f"layer {layer}'s {'/'.join(parts)} are {'/'.join(types)} (one product here takes one type; "
-                        "llama.cpp's Q4_K_M mixes Q6_K into Q4_K layers: a Q4_0, Q4_1, Q8_0 or Q4_K_S file runs as stored)")
     return None
+
+
+@dataclass(frozen=True)
+class WeightInParts:
+    """One product's weight stored in parts of different types (rows in order: q+k in Q4_K, then v in Q6_K): each
+    part is a ``quant.QuantWeight`` on the file's blocks as stored, and the product is theirs side by side."""
+
+    parts: list
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(w.shape[0] for w in self.parts), self.parts[0].shape[1]
 
 
 class StoredEmbedding(nn.Module):
@@ -292,7 +296,8 @@ class QuantizedWeights(LeanWeights):
 
     def _all(self):
         for layer in self.layers:
-            yield from (layer.qkv, layer.o, layer.gate_up, layer.down)
+            for w in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                yield from (w.parts if isinstance(w, WeightInParts) else [w])
         yield self.output
 
     def prepare(self, role: str, layer: int | None, float_weight) -> quant.QuantWeight:
@@ -309,12 +314,18 @@ class QuantizedWeights(LeanWeights):
             if self.source.arch == "llama" and tensor in ("attn_q", "attn_k"):
                 raw = raw[_llama_rope_rows(raw.shape[0], self.heads if tensor == "attn_q" else self.kv_heads)]
             parts.append((qtype, raw))
-        if len({q for q, _ in parts}) != 1:
-            raise DartreeError(f"layer {layer}: {role} mixes quantisation types {[q for q, _ in parts]}; "
-                               "load with weights='q8_0' or 'float32'")
-        weight = quant.QuantWeight.from_blocks(parts[0][0], torch.cat([r for _, r in parts]), k)
+        # consecutive tensors of one type packed as one weight; a file that mixes types (llama.cpp's Q4_K_M: Q6_K v
+        # rows beside Q4_K q and k) gives the product in parts, each on its own blocks as stored
+        runs: list[tuple[str, list[torch.Tensor]]] = []
+        for qtype, raw in parts:
+            if runs and runs[-1][0] == qtype:
+                runs[-1][1].append(raw)
+            else:
+                runs.append((qtype, [raw]))
+        packed = [quant.QuantWeight.from_blocks(qtype, torch.cat(raws), k) for qtype, raws in runs]
+        weight = packed[0] if len(packed) == 1 else WeightInParts(packed)
         if layer == 0 and role == "qkv" and not from_gguf(self.model):  # the file is this model's: its values are the checkpoint's
-            got, want = quant.dequantize(weight), float_weight()
+            got, want = torch.cat([quant.dequantize(w) for w in packed]), float_weight()
             if got.shape != want.shape or not torch.equal(got, want.to(got.dtype)):
                 raise DartreeError(f"{self.source.path.name} does not hold this model's weights (layer 0's q, k, v "
                                    "differ from the checkpoint's); pass the GGUF file the checkpoint came from")
@@ -323,4 +334,12 @@ class QuantizedWeights(LeanWeights):
     def product(self, x: torch.Tensor, weight, n: int, residual: torch.Tensor | None = None) -> torch.Tensor:
         # ``quant.qproduct`` without its wrapper: four products a layer, and the kernels hand on contiguous rows
         # (the compiled product checks that they are)
+        if isinstance(weight, WeightInParts):  # each part's outputs side by side, as the compiled loop does
+            if residual is not None:
+                raise DartreeError("a product in parts takes no residual")
+            return torch.cat([self._qext.qproduct(x, w.packed, w.shape[0], None) for w in weight.parts], dim=1)
         return self._qext.qproduct(x, weight.packed, weight.shape[0], residual)
+
+    def weight_parts(self, weight, n: int) -> list[tuple[torch.Tensor, int]]:
+        parts = weight.parts if isinstance(weight, WeightInParts) else [weight]
+        return [(w.packed, w.shape[0]) for w in parts]
