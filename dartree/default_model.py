@@ -158,6 +158,8 @@ def _bundled_gguf() -> Path | None:
 def check_gguf_file(gguf: Path) -> Path:
     """``gguf`` as a path, checked: an existing file that starts as GGUF files do, else one clear line."""
     gguf = Path(gguf)
+    if gguf.is_dir():
+        raise CheckpointError(f"GGUF target {str(gguf)!r} is a folder; a .gguf target is the file itself")
     if not gguf.is_file():
         raise CheckpointError(f"GGUF target {str(gguf)!r} does not exist (a .gguf target is a file; a Hugging Face "
                               "checkpoint is a folder)")

@@ -354,7 +354,9 @@ def load(target: str | Path | None = None, drafter: str | Path | None = None, dt
             runs = float32_cpu and lean is not False and kernels.available() and quant.available()
             reason = file_target_reason(source) if runs else None
             if reason is not None:
-                print(f"dartree: {gguf.name} runs dequantised to float32: {reason}", file=sys.stderr)
+                gb = 4 * source.parameter_count() / 1e9
+                print(f"dartree: {gguf.name} runs dequantised to float32 (a {gb:.1f} GB checkpoint in the cache on first "
+                      f"use): {reason}", file=sys.stderr)
             weights = "file" if runs and reason is None else "float32"
         if weights == "file":  # built straight from the file: no float32 checkpoint is made or read
             require(float32_cpu, f"weights='file' runs the GGUF file on the CPU with float32 activations; got dtype "

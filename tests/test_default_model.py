@@ -226,6 +226,9 @@ def test_a_bad_gguf_target_gives_one_clear_line_before_any_work(tmp_path, monkey
     monkeypatch.setattr(default_model, "cache_root", lambda: tmp_path / "cache")
     with pytest.raises(dartree.CheckpointError, match="does not exist"):
         dartree.load(str(tmp_path / "missing.gguf"), cost_model=None)
+    (tmp_path / "folder.gguf").mkdir()
+    with pytest.raises(dartree.CheckpointError, match="is a folder"):
+        dartree.load(str(tmp_path / "folder.gguf"), cost_model=None)
     (tmp_path / "text.gguf").write_text("not a model")
     with pytest.raises(dartree.CheckpointError, match="not a GGUF file"):
         dartree.load(str(tmp_path / "text.gguf"), cost_model=None)

@@ -500,3 +500,36 @@ def test_the_compiled_layer_loop_gives_the_python_loops_bits(file_pipe, q8_pipe,
     for s, (past, n) in enumerate(zip(pasts, sizes)):  # the K/V written (the rest of the store is never read)
         for a, b in ((stores[0].k, stores[1].k), (stores[0].v, stores[1].v)):
             assert torch.equal(a[:, s, :, :past + n], b[:, s, :, :past + n])
+
+
+def test_a_file_the_products_do_not_take_falls_back_to_float32_with_one_line(tmp_path, monkeypatch, capsys):
+    """weights='auto' on a file of a type the products do not take (F16 here): one line says why and how big the
+    float32 checkpoint will be, before the conversion starts."""
+    from dartree import pipeline
+
+    class Converting(Exception):
+        pass
+
+    def convert(gguf, verbose=True):
+        raise Converting  # (transformers would make a default-sized model of this tiny file without config fields)
+
+    monkeypatch.setattr(pipeline, "gguf_checkpoint_dir", convert)
+    target = make_tiny_target(tmp_path / "t", family="llama", vocab_size=24, hidden_size=64, num_layers=2, seed=37)
+    _, path = write_tiny_gguf(target, tmp_path, qtype=gguf.GGMLQuantizationType.F16, norms=True)
+    with pytest.raises(Converting):
+        dartree.load(str(path), cost_model=None)
+    err = capsys.readouterr().err
+    assert "runs dequantised to float32 (a 0.0 GB checkpoint" in err and "holds F16 weights" in err
+
+
+def test_a_conversion_transformers_cannot_do_is_one_line_and_leaves_no_folder(tmp_path):
+    from dartree import default_model
+    from dartree.errors import CheckpointError
+
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + bytes(64))  # the magic, then nothing a reader can parse
+    (tmp_path / "cache").mkdir()
+    for write in (default_model.write_gguf_config, default_model.convert_gguf):
+        with pytest.raises(CheckpointError, match="bad.gguf: transformers could not"):
+            write(bad, tmp_path / "cache" / "out")
+    assert not any((tmp_path / "cache").iterdir())  # no .partial-* folder left behind

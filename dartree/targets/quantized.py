@@ -107,6 +107,10 @@ class GGUFTensors:
         arch = self.reader.fields.get("general.architecture")
         self.arch = bytes(arch.parts[arch.data[0]]).decode() if arch is not None else "?"
 
+    def parameter_count(self) -> int:
+        """The values of every tensor of the file (what its float32 checkpoint holds, 4 bytes each)."""
+        return sum(int(np.prod([int(d) for d in t.shape])) for t in self.tensors.values())
+
     def float_tensor(self, name: str) -> torch.Tensor:
         """A float32 (F32) tensor of the file, e.g. a norm's weight, as a torch tensor of its own."""
         t = self.tensors.get(name)
