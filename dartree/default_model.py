@@ -60,54 +60,58 @@ def gguf_path() -> Path:
 def convert_gguf(gguf: Path, out_dir: Path) -> None:
     """Dequantise the GGUF into a clean fp32 safetensors checkpoint (model + tokenizer)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    # A folder of its own: two processes started together on a fresh machine both convert.
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=out_dir.name + ".partial-"))
-    with _conversion(gguf, tmp, "dequantise it"):
-        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
+    with _writing(gguf, out_dir, "dequantise it") as tmp:
+        config, tokenizer = _config_and_tokenizer(gguf)
         quantised = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         state = quantised.state_dict()
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.load_state_dict(state, strict=False)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model.generation_config.eos_token_id = tokenizer.eos_token_id
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-    publish(tmp, out_dir)
-
-
-@contextlib.contextmanager
-def _conversion(gguf: Path, tmp: Path, what: str):
-    """A conversion into ``tmp`` that fails leaves no half-written folder and says so in one line."""
-    try:
-        yield
-    except Exception as exc:  # noqa: BLE001 - whatever transformers raised on this file
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"{gguf.name}: transformers could not {what} ({type(exc).__name__}: "
-                              f"{str(exc).splitlines()[0] if str(exc) else ''})") from exc
 
 
 def write_gguf_config(gguf: Path, out_dir: Path) -> None:
     """The config, generation config and tokenizer of a GGUF file (from its own fields), without weights."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=out_dir.name + ".partial-"))
-    with _conversion(gguf, tmp, "read its config and tokenizer"):
-        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
+    with _writing(gguf, out_dir, "read its config and tokenizer") as tmp:
+        config, tokenizer = _config_and_tokenizer(gguf)
         with torch.device("meta"):  # the module only for the config and generation config it writes, no weights
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model.generation_config.eos_token_id = tokenizer.eos_token_id
         model.config.architectures = [type(model).__name__]  # as the float32 checkpoint's config says it
         model.config.save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+
+
+def _config_and_tokenizer(gguf: Path):
+    """The model config (without the file's quantisation note: the folders hold float32 or no weights) and the
+    tokenizer transformers reads from a GGUF file's fields."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    return config, AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+@contextlib.contextmanager
+def _writing(gguf: Path, out_dir: Path, what: str):
+    """A folder of its own to write ``out_dir`` into (two processes started together on a fresh machine both
+    convert), published when the block ends; a conversion that fails leaves no half-written folder and says so
+    in one line."""
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=out_dir.name + ".partial-"))
+    try:
+        yield tmp
+    except Exception as exc:  # noqa: BLE001 - whatever transformers raised on this file
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"{gguf.name}: transformers could not {what} ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else ''})") from exc
     publish(tmp, out_dir)
 
 

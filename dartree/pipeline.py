@@ -350,10 +350,10 @@ def load(target: str | Path | None = None, drafter: str | Path | None = None, dt
             drafter = default_drafter_dir()
         float32_cpu = torch.device(device).type == "cpu" and dtype == torch.float32
         source = GGUFTensors(gguf)  # the file's tensor index (a corrupt or truncated file fails here, before any long work)
+        reason = file_target_reason(source)  # why it cannot run as stored (None: it can)
         if weights == "auto":  # the file as stored wherever the lean forward and its integer kernels run
             runs = float32_cpu and lean is not False and kernels.available() and quant.available()
-            reason = file_target_reason(source) if runs else None
-            if reason is not None:
+            if runs and reason is not None:
                 gb = 4 * source.parameter_count() / 1e9
                 print(f"dartree: {gguf.name} runs dequantised to float32 (a {gb:.1f} GB checkpoint in the cache on first "
                       f"use): {reason}", file=sys.stderr)
@@ -361,7 +361,6 @@ def load(target: str | Path | None = None, drafter: str | Path | None = None, dt
         if weights == "file":  # built straight from the file: no float32 checkpoint is made or read
             require(float32_cpu, f"weights='file' runs the GGUF file on the CPU with float32 activations; got dtype "
                                  f"{dtype} on {device}: use weights='float32' for another dtype or device")
-            reason = file_target_reason(source)
             require(reason is None, f"{gguf.name} cannot run as stored: {reason}; load it with weights='float32'")
             target = gguf_config_dir(gguf)
             model, gguf = model_from_gguf(target, source), source

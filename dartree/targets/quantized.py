@@ -13,6 +13,7 @@ a float32 Hugging Face model's weights to Q8_0 (GGUF's own format, bit for bit).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -133,8 +134,8 @@ class GGUFTensors:
 
 
 def file_target_reason(source: GGUFTensors) -> str | None:
-    """Why the target on ``source`` as stored cannot be built (None where it can): its architecture (Llama files
-    only) or a weight of a quantisation type the products do not take."""
+    """Why the target on ``source`` as stored cannot be built (None where it can): its architecture (not one of
+    ``FILE_ARCHITECTURES``) or a weight of a quantisation type the products do not take."""
     if source.arch not in FILE_ARCHITECTURES:
         return (f"its architecture is {source.arch!r} (the target on the file as stored is built for "
                 f"{', '.join(FILE_ARCHITECTURES)} files)")
@@ -155,6 +156,11 @@ class WeightInParts:
     @property
     def shape(self) -> tuple[int, int]:
         return sum(w.shape[0] for w in self.parts), self.parts[0].shape[1]
+
+
+def parts_of(weight) -> list:
+    """A product's weight as its parts: a ``WeightInParts``' own, or the one ``quant.QuantWeight``."""
+    return weight.parts if isinstance(weight, WeightInParts) else [weight]
 
 
 class StoredEmbedding(nn.Module):
@@ -236,7 +242,8 @@ def model_from_gguf(config_dir: str | Path, source: GGUFTensors) -> nn.Module:
 
 def stored_embedding(source: GGUFTensors, model: nn.Module, output: quant.QuantWeight | None = None) -> StoredEmbedding | None:
     """The file's token embedding as a ``StoredEmbedding`` where its type is one ``quant`` takes (Q8_0 in the
-    bundled file; Q4_K or Q6_K in most Q4_K_M files) and it gives the model's rows bit for bit (checked on rows spread over the table, the first and last included); else None (the model's own).
+    bundled file; Q4_K or Q6_K in most Q4_K_M files) and it gives the model's rows bit for bit (checked on rows
+    spread over the table, the first and last included); else None (the model's own).
     ``output``: the output layer's packed weight, the embedding's own where the file ties the two."""
     t = source.tensors.get("token_embd.weight")
     if t is None or t.tensor_type.name not in quant.TYPES:
@@ -301,7 +308,7 @@ class QuantizedWeights(LeanWeights):
     def _all(self):
         for layer in self.layers:
             for w in (layer.qkv, layer.o, layer.gate_up, layer.down):
-                yield from (w.parts if isinstance(w, WeightInParts) else [w])
+                yield from parts_of(w)
         yield self.output
 
     def prepare(self, role: str, layer: int | None, float_weight) -> quant.QuantWeight:
@@ -320,13 +327,8 @@ class QuantizedWeights(LeanWeights):
             parts.append((qtype, raw))
         # consecutive tensors of one type packed as one weight; a file that mixes types (llama.cpp's Q4_K_M: Q6_K v
         # rows beside Q4_K q and k) gives the product in parts, each on its own blocks as stored
-        runs: list[tuple[str, list[torch.Tensor]]] = []
-        for qtype, raw in parts:
-            if runs and runs[-1][0] == qtype:
-                runs[-1][1].append(raw)
-            else:
-                runs.append((qtype, [raw]))
-        packed = [quant.QuantWeight.from_blocks(qtype, torch.cat(raws), k) for qtype, raws in runs]
+        packed = [quant.QuantWeight.from_blocks(qtype, torch.cat([raw for _, raw in run]), k)
+                  for qtype, run in itertools.groupby(parts, key=lambda part: part[0])]
         weight = packed[0] if len(packed) == 1 else WeightInParts(packed)
         if layer == 0 and role == "qkv" and not from_gguf(self.model):  # the file is this model's: its values are the checkpoint's
             got, want = torch.cat([quant.dequantize(w) for w in packed]), float_weight()
@@ -338,12 +340,11 @@ class QuantizedWeights(LeanWeights):
     def product(self, x: torch.Tensor, weight, n: int, residual: torch.Tensor | None = None) -> torch.Tensor:
         # ``quant.qproduct`` without its wrapper: four products a layer, and the kernels hand on contiguous rows
         # (the compiled product checks that they are)
-        if isinstance(weight, WeightInParts):  # each part's outputs side by side, as the compiled loop does
-            if residual is not None:
-                raise DartreeError("a product in parts takes no residual")
-            return torch.cat([self._qext.qproduct(x, w.packed, w.shape[0], None) for w in weight.parts], dim=1)
-        return self._qext.qproduct(x, weight.packed, weight.shape[0], residual)
+        if not isinstance(weight, WeightInParts):
+            return self._qext.qproduct(x, weight.packed, weight.shape[0], residual)
+        if residual is not None:  # each part's outputs side by side, as the compiled loop does
+            raise DartreeError("a product in parts takes no residual")
+        return torch.cat([self._qext.qproduct(x, w.packed, w.shape[0], None) for w in weight.parts], dim=1)
 
     def weight_parts(self, weight, n: int) -> list[tuple[torch.Tensor, int]]:
-        parts = weight.parts if isinstance(weight, WeightInParts) else [weight]
-        return [(w.packed, w.shape[0]) for w in parts]
+        return [(w.packed, w.shape[0]) for w in parts_of(weight)]
