@@ -35,8 +35,8 @@ from .kernels import build_extension, extension_dir
 SOURCE = Path(__file__).parent / "csrc" / "quant_kernels.cpp"
 BLOCK = 32
 # GGML type ids (gguf.GGMLQuantizationType) and (values, bytes) per block as GGUF stores them
-TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
-BLOCK_FORMAT = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144), "Q6_K": (256, 210)}
+TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+BLOCK_FORMAT = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q8_0": (32, 34), "Q4_K": (256, 144), "Q6_K": (256, 210)}
 # builds of the other instruction-set paths, for the tests: AVX2 (maddubs) and the scalar code
 VARIANTS = {"avx2": ("-mno-avx512f", "-mno-avx512vnni"), "scalar": ("-DDARTREE_SCALAR",)}
 
@@ -69,10 +69,11 @@ def available() -> bool:
 class QuantWeight:
     """A weight [N, K] (K a multiple of 32; of 256 for the K-quants) in GGUF's blocks, packed for ``qproduct``.
 
-    ``qtype`` is "Q8_0", "Q4_0", "Q4_1", "Q4_K" or "Q6_K"; ``packed`` is uint8 [ceil(N / 16), K / 32,
+    ``qtype`` is "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K" or "Q6_K"; ``packed`` is uint8 [ceil(N / 16), K / 32,
     record bytes] (the same layout on every instruction-set path, described in csrc/quant_kernels.cpp:
     Q8_0, Q4_0 and Q4_1 keep GGUF's fp16 scales, 8.5, 4.5 and 5 bits a weight as in the file; Q4_K is held
-    in Q4_1's records with float32 floats, exactly: scale d * sc and minimum -dmin * m per 32)."""
+    in Q4_1's records with float32 floats, exactly: scale d * sc and minimum -dmin * m per 32; Q5_0 in Q8_0's
+    records, its 5-bit values as bytes beside its fp16 scale)."""
 
     qtype: str
     shape: tuple[int, int]

@@ -12,16 +12,16 @@ from dartree.hardware import cpu_info
 
 gguf = pytest.importorskip("gguf")
 ext = quant.load()
-TYPES = list(quant.TYPES)  # Q4_0, Q4_1, Q8_0, Q4_K, Q6_K
+TYPES = list(quant.TYPES)  # Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K
 # where each type's fp16 scales sit in its GGUF block (the rest of a random block is random quants)
-SCALE_OFFSETS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}
+SCALE_OFFSETS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
 
 
 def random_weight(qtype: str, n: int, k: int, seed: int) -> tuple[quant.QuantWeight, torch.Tensor]:
-    """A random weight: a float weight quantised by gguf's own quantiser (Q8_0, Q4_0, Q4_1), else random
+    """A random weight: a float weight quantised by gguf's own quantiser (Q8_0, Q4_0, Q4_1, Q5_0), else random
     GGUF blocks with small fp16 scales (gguf has no Q4_K / Q6_K quantiser). -> (packed weight, raw blocks)"""
     gen = torch.Generator().manual_seed(seed)
-    if qtype in ("Q8_0", "Q4_0", "Q4_1"):
+    if qtype in ("Q8_0", "Q4_0", "Q4_1", "Q5_0"):
         w = (torch.randn(n, k, generator=gen) * 0.05 + torch.rand(n, 1, generator=gen) * 0.02).numpy()
         raw = torch.from_numpy(gguf.quants.quantize(w, getattr(gguf.GGMLQuantizationType, qtype)))
     else:
@@ -116,7 +116,7 @@ def record_parts(qw: quant.QuantWeight) -> tuple[torch.Tensor, torch.Tensor, tor
     signed integer values, a [N, K/32, 2] the scales of inputs 0..15 and 16..31, b [N, K/32] the minimum)."""
     n, _ = qw.shape
     groups, nb, _ = qw.packed.shape
-    wide = qw.qtype in ("Q8_0", "Q6_K")
+    wide = qw.qtype in ("Q8_0", "Q5_0", "Q6_K")  # (Q5_0's values are held in Q8_0's records)
     qb = 512 if wide else 256
     units = qw.packed[..., :qb].reshape(groups, nb, -1, 16, 4).int()  # [group, block, t, j, i]
     if wide:
@@ -125,7 +125,7 @@ def record_parts(qw: quant.QuantWeight) -> tuple[torch.Tensor, torch.Tensor, tor
         q = torch.cat([units & 0x0F, units >> 4], dim=2) - (8 if qw.qtype == "Q4_0" else 0)
     q = q.permute(0, 3, 1, 2, 4).reshape(groups * 16, nb, 32)[:n].double()
     # Q8_0, Q4_0, Q4_1 keep GGUF's fp16 scales; Q4_K's and Q6_K's records hold float32
-    float_type = torch.float16 if qw.qtype in ("Q8_0", "Q4_0", "Q4_1") else torch.float32
+    float_type = torch.float16 if qw.qtype in ("Q8_0", "Q4_0", "Q4_1", "Q5_0") else torch.float32
     floats = qw.packed[..., qb:].contiguous().view(float_type).reshape(groups, nb, -1, 16)
     floats = floats.permute(0, 3, 1, 2).reshape(groups * 16, nb, -1)[:n].double()  # fp16 widens exactly
     a = floats[..., :2] if qw.qtype == "Q6_K" else floats[..., :1].expand(n, nb, 2)

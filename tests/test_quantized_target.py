@@ -25,6 +25,7 @@ from dartree.trees import available_methods
 
 gguf = pytest.importorskip("gguf")
 METHODS = available_methods(True, True)
+DRAFTER_FREE_METHODS = available_methods(False, False)
 LLAMA_ROLES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
                "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
 
@@ -123,6 +124,26 @@ def mixed_pipe(mixed_gguf):
 
 
 @pytest.fixture(scope="module")
+def narrow_gguf(tmp_path_factory):
+    """llama.cpp's Q4_K_M of a model whose widths are no multiples of 256 (SmolLM2's 576): its Q4_K rows fall back
+    to Q5_0 and its Q6_K rows to Q8_0 (llama-quantize's fallbacks), so q/k/o/gate/up are Q5_0 beside Q8_0 v rows."""
+    root = tmp_path_factory.mktemp("narrow")
+    target = make_tiny_target(root / "t", family="llama", vocab_size=16, hidden_size=64, num_layers=2, seed=37,
+                              logit_scale=3.0)
+    q5_0 = gguf.GGMLQuantizationType.Q5_0
+    checkpoint, path = write_tiny_gguf(target, root, qtype=q5_0, norms=True, v_qtype=gguf.GGMLQuantizationType.Q8_0,
+                                       embed_qtype=q5_0)
+    return checkpoint, path
+
+
+@pytest.fixture(scope="module")
+def narrow_pipe(narrow_gguf):
+    checkpoint, path = narrow_gguf
+    return Pipeline(load_target(checkpoint, torch.float32, "cpu"), None, weights="file", gguf=path,
+                    cost_model=synthetic_cost(1.0, 0.05, draft_ms=0.5, tree_ms=0.2))
+
+
+@pytest.fixture(scope="module")
 def q8_pipe(model_dirs):
     pipe = dartree.load(model_dirs[("qwen3", "target")], model_dirs[("qwen3", "domino")], dtype=torch.float32,
                         weights="q8_0", cost_model=synthetic_cost(1.0, 0.05, draft_ms=0.5, tree_ms=0.2))
@@ -158,9 +179,9 @@ def test_the_file_target_looks_tokens_up_in_the_files_q8_0_embedding(file_pipe, 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_tree_rows_equal_their_paths_bitwise_on_quantised_weights(file_pipe, q8_pipe, mixed_pipe, data):
+def test_tree_rows_equal_their_paths_bitwise_on_quantised_weights(file_pipe, q8_pipe, mixed_pipe, narrow_pipe, data):
     """Each row of one tree forward has exactly the logits of its own path decoded one token at a time."""
-    target = data.draw(st.sampled_from([file_pipe.target, q8_pipe.target, mixed_pipe.target]))
+    target = data.draw(st.sampled_from([file_pipe.target, q8_pipe.target, mixed_pipe.target, narrow_pipe.target]))
     vocab = target.weights.vocab
     size = data.draw(st.integers(1, 40))
     parents = [-1] + [data.draw(st.integers(0, i)) for i in range(size)]
@@ -183,11 +204,13 @@ def test_tree_rows_equal_their_paths_bitwise_on_quantised_weights(file_pipe, q8_
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(which=st.sampled_from(["file", "q8_0", "mixed"]), prompt=st.lists(st.integers(0, 7), min_size=1, max_size=12),
+@given(which=st.sampled_from(["file", "q8_0", "mixed", "narrow"]), prompt=st.lists(st.integers(0, 7), min_size=1, max_size=12),
        method=st.sampled_from(METHODS), budget=st.sampled_from([4, 16, "auto"]), max_new_tokens=st.integers(1, 24))
-def test_every_method_reproduces_the_quantised_targets_greedy_text(file_pipe, q8_pipe, mixed_pipe, which, prompt, method,
-                                                                  budget, max_new_tokens):
-    pipe = {"file": file_pipe, "q8_0": q8_pipe, "mixed": mixed_pipe}[which]
+def test_every_method_reproduces_the_quantised_targets_greedy_text(file_pipe, q8_pipe, mixed_pipe, narrow_pipe, which, prompt,
+                                                                  method, budget, max_new_tokens):
+    pipe = {"file": file_pipe, "q8_0": q8_pipe, "mixed": mixed_pipe, "narrow": narrow_pipe}[which]
+    if pipe.drafter is None and method not in DRAFTER_FREE_METHODS:
+        method = "ngram"  # (the narrow file's pipeline has no drafter)
     ar = pipe.generate(input_ids=prompt, method="ar", max_new_tokens=max_new_tokens, stop_token_ids=[]).token_ids
     out = pipe.generate(input_ids=prompt, method=method, budget=budget, max_new_tokens=max_new_tokens, stop_token_ids=[])
     assert out.token_ids == ar
@@ -329,6 +352,24 @@ def test_a_files_rope_frequency_factors_scale_its_rope_tables(tmp_path):
     assert not torch.equal(la, lb)  # the scaled tables reach the forward
 
 
+def test_a_narrow_models_q4_k_m_file_runs_as_stored(narrow_pipe, narrow_gguf):
+    """Q5_0 (llama.cpp's fallback for Q4_K rows of widths no multiple of 256) runs on the integer products, held in
+    Q8_0's records: the file as stored, not its float32 conversion, the checkpoint's values, close to the float forward."""
+    from dartree.targets.quantized import file_target_reason
+
+    assert file_target_reason(GGUFTensors(narrow_gguf[1])) is None
+    target = narrow_pipe.target
+    assert target.name == "lean-q5_0+q8_0" and isinstance(target.weights, QuantizedWeights)
+    assert [w.qtype for w in target.weights.layers[0].qkv.parts] == ["Q5_0", "Q8_0"]
+    assert target.weights.layers[0].gate_up.qtype == "Q5_0" and target.embed_tokens.weight.qtype == "Q5_0"
+    table = narrow_pipe.target_model.get_input_embeddings().weight
+    assert torch.equal(target.embed_tokens(torch.arange(table.shape[0])), table)
+    float_target = LeanTarget(narrow_pipe.target_model, [])
+    ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
+    (q, _), (f, _) = prefill(target, ids), prefill(float_target, ids)
+    assert not torch.equal(q, f) and (q - f).abs().max() < 0.05 * f.abs().max()
+
+
 def test_a_file_mixing_types_within_one_product_runs_it_in_parts(mixed_pipe, mixed_gguf):
     """llama.cpp's Q4_K_M stores some layers' v rows as Q6_K beside Q4_K q and k: the product is then made of parts,
     each on its own blocks as stored (q+k in one type, v in the other), outputs side by side; it is the checkpoint's
@@ -346,7 +387,7 @@ def test_a_file_mixing_types_within_one_product_runs_it_in_parts(mixed_pipe, mix
     assert not torch.equal(q, f) and (q - f).abs().max() < 0.05 * f.abs().max()
 
 
-@pytest.mark.parametrize("embed_qtype", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("embed_qtype", ["Q4_0", "Q4_1", "Q5_0"])
 def test_an_embedding_stored_in_another_type_is_looked_up_in_it(tmp_path, embed_qtype):
     """A file whose token embedding is not Q8_0 (most Q4_K_M files store it as Q4_K or Q6_K): the rows are
     dequantised from its own blocks, the checkpoint's rows bit for bit."""

@@ -1,4 +1,4 @@
-// Products on block-quantised weights as GGUF stores them (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K), with integer dot
+// Products on block-quantised weights as GGUF stores them (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K), with integer dot
 // products: exact and row-invariant, like the lean forward's float kernels (lean_kernels.cpp).
 //
 // y[r, n] = sum over blocks b of  d_w[n, b] * d_x[r, b] * isum[r, n, b]  (+ m_w[n, b] * s_x[r, b] with a minimum)
@@ -56,7 +56,7 @@ constexpr int QKK = 256;  // inputs per K-quant super-block
 constexpr int G = 16;     // output rows per group
 
 // GGML's type ids (gguf.GGMLQuantizationType); Q4_0, Q4_1, Q8_0 and Q6_K are also the record types
-constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14;
+constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14;
 
 constexpr bool wide(int64_t t) { return t == Q8_0 || t == Q6_K; }  // a byte a value
 constexpr bool two_floats(int64_t t) { return t == Q4_1 || t == Q6_K; }  // a second float a row: minimum or scale
@@ -65,11 +65,13 @@ constexpr int64_t quant_bytes(int64_t t) { return wide(t) ? G * QK : G * QK / 2;
 constexpr int64_t record_bytes(int64_t t, bool H) { return quant_bytes(t) + G * (H ? 2 : 4) * (two_floats(t) ? 2 : 1); }
 // where a record's second floats start (after the quants and the scales)
 constexpr int64_t second_at(int64_t t, bool H) { return quant_bytes(t) + G * (H ? 2 : 4); }
-constexpr int64_t record_type(int64_t t) { return t == Q4_K ? Q4_1 : t; }
-constexpr bool half_record(int64_t t) { return t == Q4_0 || t == Q4_1 || t == Q8_0; }  // GGUF's fp16 scales kept
+// Q5_0 (d * (q - 16), q of 5 bits: llama.cpp's Q4_K_M writes it for rows whose width is no multiple of 256) is held
+// in Q8_0's records, its values as bytes beside its own fp16 scale: the same values, 8.5 bits a weight instead of 5.5
+constexpr int64_t record_type(int64_t t) { return t == Q4_K ? Q4_1 : t == Q5_0 ? Q8_0 : t; }
+constexpr bool half_record(int64_t t) { return t == Q4_0 || t == Q4_1 || t == Q5_0 || t == Q8_0; }  // GGUF's fp16 scales kept
 // GGUF's bytes per block (of 32, or of 256 for the K-quants) and values per block
 constexpr int64_t raw_bytes(int64_t t) {
-  return t == Q8_0 ? 34 : t == Q4_0 ? 18 : t == Q4_1 ? 20 : t == Q4_K ? 144 : 210;
+  return t == Q8_0 ? 34 : t == Q4_0 ? 18 : t == Q4_1 ? 20 : t == Q5_0 ? 22 : t == Q4_K ? 144 : 210;
 }
 constexpr int64_t raw_values(int64_t t) { return t == Q4_K || t == Q6_K ? QKK : QK; }
 
@@ -482,6 +484,18 @@ Decoded decode(const uint8_t* row, int64_t qtype, int64_t b) {
       o.q[v] = qtype == Q8_0 ? (int)(int8_t)qs[v] : (v < 16 ? qs[v] & 0x0F : qs[v - 16] >> 4);
     return o;
   }
+  if (qtype == Q5_0) {
+    // d (fp16), 4 bytes of high bits (bit v: value v's fifth bit), 16 bytes of nibbles as Q4_0's
+    const uint8_t* blk = row + b * raw_bytes(qtype);
+    o.a = half_to_float(blk);
+    std::memcpy(&o.half_a, blk, 2);
+    uint32_t high;
+    std::memcpy(&high, blk + 2, 4);  // little-endian, as GGUF writes it
+    const uint8_t* qs = blk + 6;
+    for (int v = 0; v < QK; ++v)
+      o.q[v] = ((v < 16 ? qs[v] & 0x0F : qs[v - 16] >> 4) | (int)((high >> v) & 1u) << 4) - 16;
+    return o;
+  }
   const uint8_t* blk = row + (b / 8) * raw_bytes(qtype);
   const int sub = b % 8;  // the 32-block within the super-block
   if (qtype == Q4_K) {
@@ -522,8 +536,8 @@ Decoded decode(const uint8_t* row, int64_t qtype, int64_t b) {
 // raw: uint8 [N, K / block values * block bytes], GGUF's blocks of one tensor as stored;
 // -> uint8 [ceil(N / 16), K / 32, record bytes]
 torch::Tensor pack(torch::Tensor raw, int64_t qtype, int64_t K) {
-  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0 || qtype == Q4_K || qtype == Q6_K, "quant.pack: type ",
-              qtype, " is not Q4_0, Q4_1, Q8_0, Q4_K or Q6_K");
+  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q5_0 || qtype == Q8_0 || qtype == Q4_K || qtype == Q6_K,
+              "quant.pack: type ", qtype, " is not Q4_0, Q4_1, Q5_0, Q8_0, Q4_K or Q6_K");
   TORCH_CHECK(K > 0 && K % raw_values(qtype) == 0, "quant.pack: K must be a positive multiple of ", raw_values(qtype));
   TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == torch::kUInt8 && raw.is_contiguous(), "quant.pack: contiguous uint8 [N, bytes]");
   const int64_t rt = record_type(qtype), N = raw.size(0), nb = K / QK;
