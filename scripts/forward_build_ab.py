@@ -1,9 +1,10 @@
 """The default target's forward (the compiled layer loop and the output layer) built with other compile-time settings
 against the default build, side by side in one process: each build bound to the same weights and K/V store, timed
 over 1, 4 and 16 new rows after a context of 200 and 700 tokens, interleaved, each build first in turn; the same
-bits asserted. For settings that change only how memory is read (the integer products' prefetch distance, DQ_PREFETCH).
+bits asserted. For settings that change only how memory is read (the integer products' prefetch distance,
+DQ_PREFETCH); ``--weights float32`` times the float32 target instead of the file as stored.
 
-    .venv/bin/python scripts/forward_build_ab.py --variant "DQ_PREFETCH=0" [--threads 2]
+    .venv/bin/python scripts/forward_build_ab.py --variant "DQ_PREFETCH=0" [--threads 2] [--weights float32]
 """
 
 from __future__ import annotations
@@ -20,8 +21,13 @@ from dartree.hardware import describe_machine
 from dartree.targets.base import Part
 
 
+def output_module(weights) -> str:
+    """The attribute holding the compiled module the output layer's product runs on."""
+    return "_qext" if weights.integer_products else "_ext"
+
+
 def bound_build(weights, flags: tuple[str, ...]):
-    """(the compiled layer loop bound to ``weights``, the products' module) built with ``flags``."""
+    """(the compiled layer loop bound to ``weights``, the output layer's module) built with ``flags``."""
     default_load = kernels.load_forward
     kernels.load_forward = lambda *a, **k: default_load(extra_cflags=flags)
     try:
@@ -30,7 +36,7 @@ def bound_build(weights, flags: tuple[str, ...]):
     finally:
         kernels.load_forward = default_load
         weights.__dict__.pop("_bound", None)
-    return bound, quant.load(extra_cflags=flags)
+    return bound, (quant.load(extra_cflags=flags) if weights.integer_products else kernels.load(extra_cflags=flags))
 
 
 def main() -> None:
@@ -40,12 +46,14 @@ def main() -> None:
     ap.add_argument("--contexts", default="200,700")
     ap.add_argument("--rows", default="1,4,16")
     ap.add_argument("--repeats", type=int, default=40)
+    ap.add_argument("--weights", default="auto", help="the target's weights (dartree.load's): auto (the file as stored), float32")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     flags = tuple(f"-D{item}" for item in args.variant.split())
-    pipe = dartree.load(drafter=None)
+    pipe = dartree.load(drafter=None, weights=args.weights)
     target, weights = pipe.target, pipe.target.weights
-    builds = {"default": (weights.compiled_forward(), weights._qext), args.variant: bound_build(weights, flags)}
+    out = output_module(weights)
+    builds = {"default": (weights.compiled_forward(), getattr(weights, out)), args.variant: bound_build(weights, flags)}
     print(describe_machine())
     print(f"torch {torch.__version__}, {args.threads} threads, target {target.name}; milliseconds a forward with its "
           "output layer's rows (median of interleaved repeats)\n")
@@ -63,7 +71,8 @@ def main() -> None:
             times, outputs = {name: [] for name in builds}, {}
 
             def run(name):
-                weights.__dict__["_bound"], weights._qext = builds[name]
+                weights.__dict__["_bound"] = builds[name][0]
+                setattr(weights, out, builds[name][1])
                 t0 = time.perf_counter()
                 hidden, _ = target.forward_parts([part])[0]
                 logits = weights.logits(hidden)
@@ -80,7 +89,8 @@ def main() -> None:
             assert torch.equal(first, other), f"the builds differ at context {context}, {rows} rows"
             a, b = (statistics.median(times[name]) * 1e3 for name in builds)
             print(f"| {context} | {rows} | {a:.2f} | {b:.2f} | {b / a:.2f}x |")
-    weights.__dict__["_bound"], weights._qext = builds["default"]
+    weights.__dict__["_bound"] = builds["default"][0]
+    setattr(weights, out, builds["default"][1])
 
 
 if __name__ == "__main__":
