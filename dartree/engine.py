@@ -459,7 +459,7 @@ def verify(state: RoundState) -> torch.Tensor | None:
     target.capture = bool(target.tapped_layers) and any(_reads_tapped_states(ln.request) for ln in lanes)
     for ln, (hidden, tapped) in zip(lanes, target.forward_parts([ln.part for ln in lanes])):
         ln.hidden, ln.tapped_states = hidden, tapped
-    logits = _output_layer(target, [_take(ln.hidden, ln.asked) for ln in lanes if ln.asked])
+    logits = _output_layer(target, [ln.hidden[ln.asked] for ln in lanes if ln.asked])
     for ln in lanes:
         ln.request.stats.output_rows += len(ln.asked)
     state.clock.lap("verify")
@@ -467,13 +467,6 @@ def verify(state: RoundState) -> torch.Tensor | None:
         state.costs.observe("verify", state.costs.calibrated_verify(sum(ln.part.tokens.numel() for ln in lanes)),
                             state.clock.laps["verify"])
     return logits
-
-
-def _take(states: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """``states[rows]``; a run of consecutive rows (a plain step's one, a chain's) as a view, without a gather."""
-    if rows[-1] - rows[0] == len(rows) - 1 and rows == list(range(rows[0], rows[-1] + 1)):
-        return states[rows[0]:rows[-1] + 1]
-    return states[rows]
 
 
 def _output_layer(target: Target, states: list[torch.Tensor]) -> torch.Tensor | None:
@@ -553,7 +546,7 @@ def walk(state: RoundState, logits: torch.Tensor | None) -> None:
             except Exception as exc:  # noqa: BLE001 - this request ends with its error; the others go on
                 ln.fail(exc)
                 need.append(None)
-        more, at, still = _output_layer(state.target, [_take(ln.hidden, rows) for ln, rows in zip(asking, need) if rows]), 0, []
+        more, at, still = _output_layer(state.target, [ln.hidden[rows] for ln, rows in zip(asking, need) if rows]), 0, []
         for ln, rows in zip(asking, need):
             if rows is None:
                 continue
@@ -591,8 +584,7 @@ def observe(state: RoundState) -> None:
             r.stats.tree_sizes.append(len(ln.tree))
             r.stats.drafted.append(ln.drafted)
             r.bonus = next_bonus
-            tokens = ln.part.tokens.tolist() if len(accepted) > 1 else ()
-            r.emit([tokens[row] for row in accepted[1:]] + [next_bonus])
+            r.emit(ln.part.tokens[accepted[1:]].tolist() + [next_bonus])
         except Exception as exc:  # noqa: BLE001 - this request ends with its error; the others go on
             ln.fail(exc)
     state.clock.lap("commit")

@@ -34,8 +34,6 @@ OUTPUT_ROWS_PER_ASK = 8
 def ancestor_matrix(tree: DraftTree) -> torch.Tensor:
     """Boolean [N+1, N+1]: row i marks node i and its ancestors (row/col 0 is the root)."""
     n = len(tree) + 1
-    if n == 1:  # a plain step: the root sees itself
-        return torch.ones((1, 1), dtype=torch.bool, device=tree.tokens.device)
     vis = numpy.eye(n, dtype=bool)
     # Parents precede children: each node's row is its parent's, finished, plus itself (a row
     # operation in numpy costs a microsecond, a torch call several: this runs every round)

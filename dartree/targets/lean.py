@@ -178,16 +178,13 @@ class LeanWeights:
         """Hugging Face's own cos/sin [n, head_dim] at ``positions`` (tables grown by doubling)."""
         # Requests are checked against the context before they run (``check_context_length``); the cost
         # model's timing may go past it on a tiny model, as Hugging Face's forward allows.
-        one = int(positions[0]) if positions.numel() == 1 else None
-        need = (one if one is not None else int(positions.max())) + 1
+        need = int(positions.max()) + 1
         if self._cos is None or self._cos.shape[0] < need:
             size = max(need, min(self.max_positions, max(2 * (0 if self._cos is None else self._cos.shape[0]), 1024)))
             ids = torch.arange(size)[None]
             with torch.no_grad():
                 cos, sin = self.model.model.rotary_emb(torch.zeros(1, dtype=self.dtype), ids)
             self._cos, self._sin = cos[0].to(self.dtype).contiguous(), sin[0].to(self.dtype).contiguous()
-        if one is not None:  # a one-row step: the tables' own row (contiguous views), no gather
-            return self._cos[one:one + 1], self._sin[one:one + 1]
         return self._cos.index_select(0, positions), self._sin.index_select(0, positions)
 
     def product(self, x: torch.Tensor, weight: torch.Tensor, n: int, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -403,11 +400,8 @@ class LeanTarget:
         rows = []
         for p in parts:
             n, past = p.tokens.numel(), store.lengths[p.slot]
-            if n == width:  # the widest part (a lone request's): its own visibility, no padding
-                visible = p.visible.cpu().to(torch.uint8).contiguous()
-            else:
-                visible = torch.zeros(n, width, dtype=torch.uint8)
-                visible[:, :n] = p.visible.cpu()
+            visible = torch.zeros(n, width, dtype=torch.uint8)
+            visible[:, :n] = p.visible.cpu()
             rows.append(Rows(p.tokens.cpu(), torch.full((n,), p.slot, dtype=torch.long), past + p.depths.cpu(),
                              torch.arange(past, past + n), torch.full((n,), past, dtype=torch.long), visible))
         # every row's visibility spans ``width`` new rows after its own slot's committed length

@@ -10,9 +10,6 @@ import torch
 from ..errors import DartreeError
 
 
-_NO_NODES: dict[str, torch.Tensor] = {}  # device -> a long tensor of no elements (``DraftTree.empty``)
-
-
 @dataclass
 class DraftTree:
     tokens: torch.Tensor  # [N] long
@@ -75,21 +72,14 @@ class DraftTree:
     def rows(self, root: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens and depths of the verification batch: row 0 is the root (depth 0), row i+1 node i."""
         device = self.tokens.device
-        if not len(self):  # a plain step (every ``ar`` round): two small tensors instead of four calls and two joins
-            return (torch.tensor([root], dtype=torch.long, device=device),
-                    torch.zeros(1, dtype=torch.long, device=device))
         tokens = torch.cat([torch.tensor([root], dtype=torch.long, device=device), self.tokens])
         depths = torch.cat([torch.zeros(1, dtype=torch.long, device=device), self.depths])
         return tokens, depths
 
     @classmethod
     def empty(cls, device="cpu") -> "DraftTree":
-        # the fields share one tensor of no elements (nothing can be written into it), made once per device:
-        # a plain step asks for an empty tree every round
-        z = _NO_NODES.get(str(device))
-        if z is None:
-            z = _NO_NODES[str(device)] = torch.zeros(0, dtype=torch.long, device=device)
-        return cls(z, z, z)
+        z = torch.zeros(0, dtype=torch.long, device=device)
+        return cls(z, z.clone(), z.clone())
 
     @classmethod
     def chain(cls, tokens: torch.Tensor) -> "DraftTree":
