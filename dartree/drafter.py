@@ -326,6 +326,10 @@ def build_head(cfg: DrafterConfig) -> CorrectionHead | None:
     return None
 
 
+RELEASED = ("the drafter's float32 weights were released once its lean copies were made (dartree.load does so to "
+            "save memory); load it with keep_drafter_weights=True to run its Hugging Face forward or change its weights")
+
+
 class DrafterModel(nn.Module):
     """The drafter weights: backbone (+ optional correction head), named as in the published format."""
 
@@ -346,13 +350,19 @@ class DrafterModel(nn.Module):
             self.d2t = None
         self.head: CorrectionHead | None = build_head(cfg)
 
+    @property
+    def float_weights_released(self) -> bool:
+        """Whether ``lean_drafter.release_float_weights`` dropped the Linears' float weights (``dartree.load``
+        does where the drafter runs on the lean forward): only the lean copies remain."""
+        return self.fc.weight.device.type == "meta"
+
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Target ids of draft ids (the identity without a reduced vocabulary)."""
         return to_target_ids(self.d2t, draft_ids)
 
     def target_to_draft(self, vocab_size: int) -> torch.Tensor:
         """[vocab_size] draft id of every target id, -1 where the draft vocabulary lacks it."""
-        out = torch.full((vocab_size,), -1, dtype=torch.long, device=self.fc.weight.device)
+        out = torch.full((vocab_size,), -1, dtype=torch.long, device=self.norm.weight.device)
         ids = torch.arange(self.config.output_vocab_size, device=out.device)
         out[self.draft_to_target(ids)] = ids
         return out
@@ -384,6 +394,7 @@ class DrafterModel(nn.Module):
         attn_mask: torch.Tensor | PackedBlocks | None = None,  # [B or 1, 1, Q, cache + C + Q], bool (True = visible), or packed blocks
     ) -> torch.Tensor:
         cfg = self.config
+        require(not self.float_weights_released, RELEASED)
         ctx = self.fuse_context(tapped_states)
         dtype = block_embeds.dtype
         cos_q, sin_q = rope_cos_sin(block_positions, cfg.head_dim, cfg.rope_theta, dtype)

@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from . import kernels, quant
-from .drafter import DrafterModel, rope_cos_sin
+from .drafter import RELEASED, DrafterModel, rope_cos_sin
+from .errors import require
 
 # How the drafter's products run: "q8_0" (weights quantised per block of 32 at load, integer
 # products, csrc/quant_kernels.cpp) or "float32" (the lean kernels' fp32 products). Measured on an
@@ -33,7 +34,7 @@ DRAFTER_PRODUCTS = ("q8_0", "float32")
 
 def lean_drafter_reason(model: DrafterModel) -> str | None:
     """Why ``model`` cannot run on the lean drafter forward (None when it can)."""
-    param = next(model.parameters())
+    param = model.norm.weight  # never released (``release_float_weights`` keeps the norms)
     if param.device.type != "cpu":
         return f"device {param.device.type}"
     if param.dtype != torch.float32:
@@ -68,6 +69,7 @@ class LeanDrafterWeights:
         if products not in DRAFTER_PRODUCTS:
             raise ValueError(f"drafter products are one of {', '.join(DRAFTER_PRODUCTS)}, got {products!r}")
         cfg = model.config
+        require(not model.float_weights_released, RELEASED)
         self.model, self.products = model, products
         self._ext = kernels.load()
         self._qext = quant.load() if products == "q8_0" else None
@@ -119,14 +121,50 @@ class LeanDrafterWeights:
         return self._cos.index_select(0, positions), self._sin.index_select(0, positions)
 
 
+def _prepared_linears(model: DrafterModel, lm_head: nn.Module) -> list[nn.Module]:
+    """The modules whose weights ``LeanDrafterWeights`` copies into its own layout."""
+    linears = [model.fc]
+    for layer in model.layers:
+        att, mlp = layer.self_attn, layer.mlp
+        linears += [att.q_proj, att.k_proj, att.v_proj, att.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    return linears + [lm_head]
+
+
+def _key(model: DrafterModel, lm_head: nn.Module, products: str) -> tuple:
+    """What the lean weights are made of: the output layer, the products, and each prepared weight
+    (replaced, or changed in place as ``load_state_dict`` does: its version counter moves)."""
+    return (id(lm_head), products) + tuple((id(m.weight), m.weight._version) for m in _prepared_linears(model, lm_head))
+
+
 def lean_weights_of(model: DrafterModel, lm_head: nn.Module, products: str = DRAFTER_PRODUCTS[0]) -> LeanDrafterWeights:
-    """The lean weights of ``model`` (prepared on first use, kept on the model: one copy per drafter)."""
-    key = (id(lm_head), products)
+    """The lean weights of ``model`` (prepared on first use, kept on the model: one copy per drafter;
+    prepared again when a weight they copy changes, e.g. training's evaluation loading new weights)."""
+    key = _key(model, lm_head, products)
     cached = model.__dict__.get("_lean_weights")
     if cached is None or cached[0] != key:
         cached = (key, LeanDrafterWeights(model, lm_head, products))
         model.__dict__["_lean_weights"] = cached
     return cached[1]
+
+
+def release_float_weights(model: DrafterModel, lm_head: nn.Module) -> int:
+    """Drop the float32 weights the lean copies were made from (the drafter's own Linears, its own
+    reduced output layer; never a target's ``lm_head``): for inference on the lean forward they are a
+    second copy (the bundled drafter's 38 MB beside its 10 MB of Q8_0 records). Each becomes a ``meta``
+    tensor of its shape, so the module still describes the model; its Hugging Face forward and preparing
+    new lean weights then raise a ``DartreeError`` that says how to keep them. The lean weights are made first where they are not
+    yet. Returns the bytes dropped."""
+    lean = lean_weights_of(model, lm_head)
+    owned = {id(m) for m in model.modules()}
+    dropped = 0
+    for linear in _prepared_linears(model, lm_head):
+        weight = linear.weight
+        if id(linear) not in owned or weight.device.type == "meta":
+            continue
+        dropped += weight.numel() * weight.element_size()
+        linear.weight = nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False)
+    model.__dict__["_lean_weights"] = (_key(model, lm_head, lean.products), lean)
+    return dropped
 
 
 @torch.no_grad()

@@ -17,6 +17,7 @@ from .drafter import DrafterModel
 from .engine import Engine, GenerationStats, Request, run_alone
 from .errors import DartreeError, require
 from .hardware import release_freed_memory, set_threads
+from .lean_drafter import release_float_weights
 from .loading import check_pair, cpu_products, load_drafter, load_target, load_tokenizer, parse_dtype, resolve_device
 from .prompts import chat_token_ids
 from .settings import DEFAULT_METHOD, DRAFTER_FREE_METHOD, HEADLESS_DRAFTER_METHOD, GenerationSettings
@@ -317,7 +318,7 @@ class Pipeline:
 
 def load(target: str | Path | None = None, drafter: str | Path | None = None, dtype="auto", device="cpu",
          threads: int | None = None, lean: bool | str = "auto", cost_model: CostModel | str | None = "auto",
-         weights: str = "auto") -> Pipeline:
+         weights: str = "auto", keep_drafter_weights: bool = False) -> Pipeline:
     """Load a target (any HF causal LM directory, or a GGUF file) and a DFlash-format drafter.
 
     With no arguments: the bundled default model (SmolLM2-135M-Instruct) with the drafter shipped
@@ -337,6 +338,9 @@ def load(target: str | Path | None = None, drafter: str | Path | None = None, dt
     target quantised to Q8_0 at load; "auto" (default): "file" for a GGUF target where the lean forward and
     its integer kernels run and the file's types are ones they take (else "float32", and a line says why).
     Every weights choice is exact in its own right: each method reproduces that target's greedy decoding.
+    Where the drafter runs on the lean forward (a CPU, float32) its float32 Linear weights are dropped once
+    their lean copies are made (``lean_drafter.release_float_weights``: 38 MB for the bundled drafter);
+    ``keep_drafter_weights=True`` keeps them, for running its Hugging Face forward or changing its weights.
     """
     device = resolve_device(device)
     dtype = parse_dtype(dtype, device)
@@ -384,5 +388,7 @@ def load(target: str | Path | None = None, drafter: str | Path | None = None, dt
         cpu_products(draft_model, lean=True)
     pipeline = Pipeline(model, draft_model, load_tokenizer(target), lean=lean, cost_model=cost_model, weights=weights,
                         gguf=gguf)
+    if pipeline.proposer is not None and pipeline.proposer.lean is not None and not keep_drafter_weights:
+        release_float_weights(draft_model, pipeline.proposer.lm_head)
     release_freed_memory()  # what loading made and dropped (raw blocks once packed, the drafter's file) back to the system
     return pipeline

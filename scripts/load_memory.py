@@ -36,8 +36,8 @@ out["dartree.load()"] = (time.perf_counter() - t1, rss())
 t1 = time.perf_counter()
 pipe.generate(prompt="Name three rivers.", max_new_tokens=16)
 out["a 16-token generation"] = (time.perf_counter() - t1, rss())
-def mb(tensors):
-    return sum(t.numel() * t.element_size() for t in tensors) / 2**20
+def mb(tensors):  # what is held: a released weight (PyTorch's meta device) holds nothing
+    return sum(t.numel() * t.element_size() for t in tensors if t.device.type != "meta") / 2**20
 from dartree.trees.grow_kernel import head_tables
 weights, store, lean = pipe.target.weights, pipe.target.store, pipe.proposer.lean
 drafter_lean = [lean.fc, lean.output] + [getattr(l, n) for l in lean.layers for n in ("qkv", "kv", "o", "gate_up", "down")]
@@ -46,7 +46,7 @@ out["owners"] = {
     "target: packed layers": mb([getattr(l, n).packed for l in weights.layers for n in ("qkv", "o", "gate_up", "down")]),
     "target: output layer (also the embedding where tied)": mb([weights.output.packed]),
     "target: K/V store": mb([store.k, store.v]),
-    "drafter: float32 module weights (its head's included)": mb(list(pipe.drafter.parameters())),
+    "drafter: float32 module weights held (its head's included)": mb(list(pipe.drafter.parameters())),
     "drafter: its products' Q8_0 copies": mb([w.packed if hasattr(w, "packed") else w[0] for w in drafter_lean]),
     "drafter: the tree grower's head tables": mb([t for t in vars(tables).values() if isinstance(t, torch.Tensor)]),
 }

@@ -51,7 +51,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
-    pipe = dartree.load(threads=args.threads, cost_model=None)
+    pipe = dartree.load(threads=args.threads, cost_model=None, keep_drafter_weights=True)  # it times the module forward too
     print(describe_machine(), f"threads {torch.get_num_threads()}, target {pipe.target.name}")
     context = 200
     prompt = torch.randint(pipe.target_model.config.vocab_size - 1, (context,), generator=torch.Generator().manual_seed(0))

@@ -29,6 +29,8 @@ def test_default_model_loads_offline(pipe, float32_pipe):
     assert set(pipe.methods) == set(dartree.METHODS)
     # the file as stored by default where the integer kernels run; the dequantised float32 one a setting away
     assert pipe.target.name == "lean-q4_1+q8_0" and float32_pipe.target.name == "lean"
+    # the drafter runs on its lean copies: its float32 Linears (38 MB) are not held beside them
+    assert pipe.drafter.float_weights_released and pipe.drafter.lm_head.weight.device.type == "meta"
 
 
 @pytest.mark.parametrize("weights", ["file", "float32"])

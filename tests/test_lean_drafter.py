@@ -73,3 +73,47 @@ def test_lean_drafter_batched_gives_each_request_its_alone_bits():
         assert p.context_length == s
         p.reset()
         assert p.context_length == 0
+
+
+def test_lean_weights_follow_the_drafters_weights_when_they_change():
+    """Training's evaluation loads new weights into the same drafter each time (``load_state_dict``, in
+    place): the next proposer must draft with them, not with the lean copies of the first evaluation."""
+    from dartree.lean_drafter import lean_weights_of
+
+    model, embed = tiny_drafter(2)
+    first = lean_weights_of(model, model.lm_head)
+    assert lean_weights_of(model, model.lm_head) is first  # unchanged weights: prepared once
+    tapped = states(5, 0)
+    before = DraftProposer(model, embed, model.lm_head).draft(3, tapped, 5)
+    newer, _ = tiny_drafter(3)
+    model.load_state_dict(newer.state_dict())
+    second = lean_weights_of(model, model.lm_head)
+    assert second is not first
+    after = DraftProposer(model, embed, model.lm_head).draft(3, tapped, 5)
+    want = DraftProposer(newer, embed, newer.lm_head).draft(3, tapped, 5)
+    assert torch.equal(after.base_logits, want.base_logits) and not torch.equal(after.base_logits, before.base_logits)
+
+
+def test_released_float_weights_draft_the_same_and_say_how_to_keep_them():
+    from dartree.errors import DartreeError
+    from dartree.lean_drafter import lean_weights_of, release_float_weights
+
+    model, embed = tiny_drafter(4)
+    kept, _ = tiny_drafter(4)
+    target_head = nn.Linear(HIDDEN, VOCAB, bias=False)
+    dropped = release_float_weights(model, model.lm_head)
+    linears = [model.fc, model.lm_head] + [m for layer in model.layers for m in (*layer.self_attn.children(), *layer.mlp.children())
+                                           if isinstance(m, nn.Linear)]
+    assert dropped == sum(m.weight.numel() * 4 for m in {id(m): m for m in linears}.values())
+    assert model.float_weights_released and all(m.weight.device.type == "meta" for m in linears)
+    assert model.norm.weight.device.type == "cpu" and target_head.weight.device.type == "cpu"
+    for step, new in enumerate([7, 2, 5]):  # the proposers made after the release draft as before it
+        a = DraftProposer(model, embed, model.lm_head).draft(4 + step, states(new, step), new)
+        b = DraftProposer(kept, embed, kept.lm_head).draft(4 + step, states(new, step), new)
+        assert torch.equal(a.base_logits, b.base_logits) and torch.equal(a.hidden, b.hidden)
+    proposer = DraftProposer(model, embed, model.lm_head)
+    proposer.lean = proposer.store = None  # the module forward
+    with pytest.raises(DartreeError, match="keep_drafter_weights=True"):
+        proposer.draft(4, states(3, 0), 3)
+    with pytest.raises(DartreeError, match="keep_drafter_weights=True"):
+        lean_weights_of(model, model.lm_head, "float32")  # new lean copies need the float weights
