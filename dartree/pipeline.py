@@ -332,7 +332,7 @@ def load(target: str | Path | None = None, drafter: str | Path | None = None, dt
     (default) wherever it can run, True to insist, False for the Hugging Face forward.
     ``cost_model``: as ``Pipeline``'s ("auto": this machine's, read from the cache or measured now,
     with a drafter only). ``weights``: "file" runs a GGUF target as stored (the bundled model's Q4_1
-    blocks and Q8_0 output layer; a Llama or Qwen3 file of Q4_0, Q4_1, Q8_0, Q4_K and Q6_K weights, mixed
+    blocks and Q8_0 output layer; a Llama or Qwen3 file of the types in ``quant.TYPES`` (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), mixed
     within a layer as llama.cpp's Q4_K_M mixes them) on integer
     products; "float32" its dequantised float32 weights (the reference); "q8_0" any float32 Llama/Qwen3
     target quantised to Q8_0 at load; "auto" (default): "file" for a GGUF target where the lean forward and

@@ -1,8 +1,9 @@
-"""Products on block-quantised weights as GGUF stores them (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K): ``csrc/quant_kernels.cpp``.
+"""Products on block-quantised weights as GGUF stores them (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K):
+``csrc/quant_kernels.cpp``.
 
 A row of activations is quantised per block of 32 to int8 (llama.cpp's Q8_0 way: d = max|x| / 127,
 q = round-to-nearest-even(x * (1 / d)), with the block sum d * sum(q) kept for the minimum term of Q4_1
-and Q4_K), each block's integer dot product with the weight's quants is exact in int32, and the float
+Q5_1, Q4_K and Q5_K), each block's integer dot product with the weight's quants is exact in int32, and the float
 block terms ``d_w * d_x * isum (+ m_w * d_x * sum(q_x))`` are summed over k-blocks 0..K/32-1 in that
 order with one fma each (Q6_K, a scale per 16: two terms a block). So a row's output has the same bits
 whatever the row count and the other rows of the call, and on every instruction-set path (AVX-512 VNNI,
@@ -35,8 +36,9 @@ from .kernels import build_extension, extension_dir
 SOURCE = Path(__file__).parent / "csrc" / "quant_kernels.cpp"
 BLOCK = 32
 # GGML type ids (gguf.GGMLQuantizationType) and (values, bytes) per block as GGUF stores them
-TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
-BLOCK_FORMAT = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q8_0": (32, 34), "Q4_K": (256, 144), "Q6_K": (256, 210)}
+TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+BLOCK_FORMAT = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34), "Q4_K": (256, 144),
+                "Q5_K": (256, 176), "Q6_K": (256, 210)}
 # builds of the other instruction-set paths, for the tests: AVX2 (maddubs) and the scalar code
 VARIANTS = {"avx2": ("-mno-avx512f", "-mno-avx512vnni"), "scalar": ("-DDARTREE_SCALAR",)}
 
@@ -69,11 +71,12 @@ def available() -> bool:
 class QuantWeight:
     """A weight [N, K] (K a multiple of 32; of 256 for the K-quants) in GGUF's blocks, packed for ``qproduct``.
 
-    ``qtype`` is "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K" or "Q6_K"; ``packed`` is uint8 [ceil(N / 16), K / 32,
+    ``qtype`` is one of ``TYPES``; ``packed`` is uint8 [ceil(N / 16), K / 32,
     record bytes] (the same layout on every instruction-set path, described in csrc/quant_kernels.cpp:
     Q8_0, Q4_0 and Q4_1 keep GGUF's fp16 scales, 8.5, 4.5 and 5 bits a weight as in the file; Q4_K is held
     in Q4_1's records with float32 floats, exactly: scale d * sc and minimum -dmin * m per 32; Q5_0 in Q8_0's
-    records, its 5-bit values as bytes beside its fp16 scale)."""
+    records, its 5-bit values as bytes beside its fp16 scale; Q5_1 as bytes with its fp16 scale and minimum, 9 bits a
+    weight; Q5_K likewise with float32 floats, as Q4_K, 10.5 bits a weight)."""
 
     qtype: str
     shape: tuple[int, int]
@@ -136,7 +139,7 @@ def quantize_q8_0(weight: torch.Tensor, ext=None) -> QuantWeight:
 
 
 def read_gguf_tensor(path, name: str, ext=None) -> QuantWeight:
-    """One Q8_0/Q4_0/Q4_1/Q4_K/Q6_K tensor of a GGUF file, by name, packed (needs the ``gguf`` package). ``path``
+    """One tensor of a GGUF file (of a type in ``TYPES``), by name, packed (needs the ``gguf`` package). ``path``
     may also be an open ``gguf.GGUFReader`` (opening one parses the whole header: seconds for a model)."""
     import gguf
 

@@ -12,16 +12,21 @@ from dartree.hardware import cpu_info
 
 gguf = pytest.importorskip("gguf")
 ext = quant.load()
-TYPES = list(quant.TYPES)  # Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K
+TYPES = list(quant.TYPES)  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K
 # where each type's fp16 scales sit in its GGUF block (the rest of a random block is random quants)
-SCALE_OFFSETS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
+SCALE_OFFSETS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2),
+                 "Q6_K": (208,)}
+GGUF_QUANTISES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # the types gguf's own quantiser writes
+WIDE = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K")  # held a byte a value (Q5_0 in Q8_0's records, Q5_K in Q5_1's)
+HALF = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # GGUF's fp16 scales kept; the K-quants' records hold float32
+WITH_MIN = ("Q4_1", "Q4_K", "Q5_1", "Q5_K")
 
 
 def random_weight(qtype: str, n: int, k: int, seed: int) -> tuple[quant.QuantWeight, torch.Tensor]:
-    """A random weight: a float weight quantised by gguf's own quantiser (Q8_0, Q4_0, Q4_1, Q5_0), else random
-    GGUF blocks with small fp16 scales (gguf has no Q4_K / Q6_K quantiser). -> (packed weight, raw blocks)"""
+    """A random weight: a float weight quantised by gguf's own quantiser (``GGUF_QUANTISES``), else random
+    GGUF blocks with small fp16 scales (gguf has no K-quant quantiser). -> (packed weight, raw blocks)"""
     gen = torch.Generator().manual_seed(seed)
-    if qtype in ("Q8_0", "Q4_0", "Q4_1", "Q5_0"):
+    if qtype in GGUF_QUANTISES:
         w = (torch.randn(n, k, generator=gen) * 0.05 + torch.rand(n, 1, generator=gen) * 0.02).numpy()
         raw = torch.from_numpy(gguf.quants.quantize(w, getattr(gguf.GGMLQuantizationType, qtype)))
     else:
@@ -116,7 +121,7 @@ def record_parts(qw: quant.QuantWeight) -> tuple[torch.Tensor, torch.Tensor, tor
     signed integer values, a [N, K/32, 2] the scales of inputs 0..15 and 16..31, b [N, K/32] the minimum)."""
     n, _ = qw.shape
     groups, nb, _ = qw.packed.shape
-    wide = qw.qtype in ("Q8_0", "Q5_0", "Q6_K")  # (Q5_0's values are held in Q8_0's records)
+    wide = qw.qtype in WIDE
     qb = 512 if wide else 256
     units = qw.packed[..., :qb].reshape(groups, nb, -1, 16, 4).int()  # [group, block, t, j, i]
     if wide:
@@ -124,12 +129,14 @@ def record_parts(qw: quant.QuantWeight) -> tuple[torch.Tensor, torch.Tensor, tor
     else:
         q = torch.cat([units & 0x0F, units >> 4], dim=2) - (8 if qw.qtype == "Q4_0" else 0)
     q = q.permute(0, 3, 1, 2, 4).reshape(groups * 16, nb, 32)[:n].double()
-    # Q8_0, Q4_0, Q4_1 keep GGUF's fp16 scales; Q4_K's and Q6_K's records hold float32
-    float_type = torch.float16 if qw.qtype in ("Q8_0", "Q4_0", "Q4_1", "Q5_0") else torch.float32
-    floats = qw.packed[..., qb:].contiguous().view(float_type).reshape(groups, nb, -1, 16)
+    float_type = torch.float16 if qw.qtype in HALF else torch.float32
+    size = 2 if qw.qtype in HALF else 4
+    count = 2 if qw.qtype in WITH_MIN or qw.qtype == "Q6_K" else 1
+    assert qw.packed.shape[2] == qb + 16 * size * count + (16 if qw.qtype == "Q5_K" else 0)  # (Q5_K's padding)
+    floats = qw.packed[..., qb:qb + 16 * size * count].contiguous().view(float_type).reshape(groups, nb, -1, 16)
     floats = floats.permute(0, 3, 1, 2).reshape(groups * 16, nb, -1)[:n].double()  # fp16 widens exactly
     a = floats[..., :2] if qw.qtype == "Q6_K" else floats[..., :1].expand(n, nb, 2)
-    b = floats[..., 1] if qw.qtype in ("Q4_1", "Q4_K") else torch.zeros(n, nb, dtype=torch.float64)
+    b = floats[..., 1] if qw.qtype in WITH_MIN else torch.zeros(n, nb, dtype=torch.float64)
     return q, a, b
 
 
@@ -157,7 +164,10 @@ def test_close_to_float64_references(qtype):
     exact, magnitude = block_terms(qw, x)
     q, d, _ = quant.quantize_rows(x)
     x_deq = (q.double().view(33, -1, 32) * d.double()[..., None]).view(33, k)
-    torch.testing.assert_close(exact, x_deq @ w_deq.T, rtol=1e-12, atol=1e-12)  # the decomposition itself
+    if qtype == "Q5_K":  # d * sc * q (22 bits) - dmin * m can need more than float32's 24: gguf's values are rounded
+        assert ((exact - x_deq @ w_deq.T).abs() <= 2 ** -24 * (x_deq.abs() @ w_deq.abs().T)).all()
+    else:
+        torch.testing.assert_close(exact, x_deq @ w_deq.T, rtol=1e-12, atol=1e-12)  # the decomposition itself
     assert ((y - exact).abs() <= 1e-5 * magnitude + 1e-30).all()  # only the fp32 rounding of the block sum
     # against the unquantised activations: within |W| . (d_x / 2), the activation rounding's own bound
     bound = w_deq.abs() @ (d.double() / 2).repeat_interleave(32, dim=1).T
@@ -212,8 +222,10 @@ def test_bad_inputs_are_refused():
         qw.product(torch.randn(2, 96))
     with pytest.raises(RuntimeError, match="residual"):
         qw.product(torch.randn(2, 64), torch.randn(2, 21))
-    with pytest.raises(ValueError, match="Q5_K"):
-        quant.QuantWeight.from_blocks("Q5_K", torch.zeros(1, 176, dtype=torch.uint8), 256)
+    with pytest.raises(ValueError, match="IQ4_XS"):
+        quant.QuantWeight.from_blocks("IQ4_XS", torch.zeros(1, 136, dtype=torch.uint8), 256)
+    with pytest.raises(RuntimeError, match="is not Q4_0"):
+        ext.pack(torch.zeros(1, 136, dtype=torch.uint8), 23, 256)  # IQ4_XS's id
     with pytest.raises(RuntimeError, match="multiple of 32"):
         ext.pack(torch.zeros(1, 20, dtype=torch.uint8), quant.TYPES["Q4_1"], 48)
     with pytest.raises(RuntimeError, match="multiple of 256"):

@@ -30,6 +30,22 @@ LLAMA_ROLES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_pr
                "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
 
 
+# the K-quants gguf cannot write (no quantiser): random blocks, with d (and dmin) at these fp16 offsets set small
+K_QUANT_SCALES = {gguf.GGMLQuantizationType.Q4_K: ((0, 4e-4), (2, 3e-3)), gguf.GGMLQuantizationType.Q5_K: ((0, 2e-4), (2, 3e-3)),
+                  gguf.GGMLQuantizationType.Q6_K: ((208, 1e-4),)}
+
+
+def random_k_quant(kind, n: int, k: int, seed: int) -> np.ndarray:
+    """Random GGUF blocks of a K-quant for an [n, k] weight (k a multiple of 256), its scales small."""
+    values, size = quant.BLOCK_FORMAT[kind.name]
+    gen = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (n, k // values, size), generator=gen, dtype=torch.uint8)
+    for offset, scale in K_QUANT_SCALES[kind]:
+        d = (torch.rand(n, k // values, 1, generator=gen) * scale + scale / 4).to(torch.float16)
+        raw[..., offset:offset + 2] = d.view(torch.uint8)
+    return raw.reshape(n, -1).numpy()
+
+
 def write_tiny_gguf(model_dir, out_dir, qtype=gguf.GGMLQuantizationType.Q4_1, tied=False,
                     embed_qtype=gguf.GGMLQuantizationType.Q8_0, norms=False, v_qtype=None, rope_freqs=None):
     """Quantise a tiny float32 Llama's linear weights to ``qtype`` (the output layer to Q8_0) into a
@@ -44,12 +60,15 @@ def write_tiny_gguf(model_dir, out_dir, qtype=gguf.GGMLQuantizationType.Q4_1, ti
     arch = cfg.model_type  # "llama" or "qwen3": llama.cpp's converter permutes only Llama's q/k rows
     writer = gguf.GGUFWriter(str(path), arch)
 
+    written = []  # the tensors' names so far (a K-quant's random blocks are seeded by its place)
+
     def put(name, weight, kind, rows_permuted_for=None):
         w = weight.detach().numpy().astype(np.float32)
         if rows_permuted_for is not None:  # llama.cpp's converter interleaves each head's rotary halves
             h = rows_permuted_for
             w = w.reshape(h, 2, w.shape[0] // h // 2, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
-        raw = quants.quantize(w, kind)
+        raw = random_k_quant(kind, *w.shape, seed=len(written)) if kind in K_QUANT_SCALES else quants.quantize(w, kind)
+        written.append(name)
         writer.add_tensor(name, raw, raw_dtype=kind)
         back = quants.dequantize(raw, kind)
         if rows_permuted_for is not None:
@@ -144,6 +163,42 @@ def narrow_pipe(narrow_gguf):
 
 
 @pytest.fixture(scope="module")
+def narrow5_gguf(tmp_path_factory):
+    """llama.cpp's Q5_K_M of a narrow model: its Q5_K rows fall back to Q5_1, its Q6_K rows to Q8_0."""
+    root = tmp_path_factory.mktemp("narrow5")
+    target = make_tiny_target(root / "t", family="llama", vocab_size=16, hidden_size=64, num_layers=2, seed=41,
+                              logit_scale=3.0)
+    q5_1 = gguf.GGMLQuantizationType.Q5_1
+    return write_tiny_gguf(target, root, qtype=q5_1, norms=True, v_qtype=gguf.GGMLQuantizationType.Q8_0, embed_qtype=q5_1)
+
+
+@pytest.fixture(scope="module")
+def k_quant_gguf(tmp_path_factory):
+    """A Q5_K_M-like file of a model whose widths are multiples of 256: Q5_K layers and embedding, Q6_K v rows
+    (random blocks, the checkpoint holding their dequantised values)."""
+    root = tmp_path_factory.mktemp("kquant")
+    target = make_tiny_target(root / "t", family="llama", vocab_size=16, hidden_size=256, num_layers=2, seed=43,
+                              logit_scale=3.0)
+    q5_k = gguf.GGMLQuantizationType.Q5_K
+    return write_tiny_gguf(target, root, qtype=q5_k, norms=True, v_qtype=gguf.GGMLQuantizationType.Q6_K, embed_qtype=q5_k)
+
+
+def _drafterless_pipe(checkpoint, path):
+    return Pipeline(load_target(checkpoint, torch.float32, "cpu"), None, weights="file", gguf=path,
+                    cost_model=synthetic_cost(1.0, 0.05, draft_ms=0.5, tree_ms=0.2))
+
+
+@pytest.fixture(scope="module")
+def narrow5_pipe(narrow5_gguf):
+    return _drafterless_pipe(*narrow5_gguf)
+
+
+@pytest.fixture(scope="module")
+def k_quant_pipe(k_quant_gguf):
+    return _drafterless_pipe(*k_quant_gguf)
+
+
+@pytest.fixture(scope="module")
 def q8_pipe(model_dirs):
     pipe = dartree.load(model_dirs[("qwen3", "target")], model_dirs[("qwen3", "domino")], dtype=torch.float32,
                         weights="q8_0", cost_model=synthetic_cost(1.0, 0.05, draft_ms=0.5, tree_ms=0.2))
@@ -179,9 +234,11 @@ def test_the_file_target_looks_tokens_up_in_the_files_q8_0_embedding(file_pipe, 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_tree_rows_equal_their_paths_bitwise_on_quantised_weights(file_pipe, q8_pipe, mixed_pipe, narrow_pipe, data):
+def test_tree_rows_equal_their_paths_bitwise_on_quantised_weights(file_pipe, q8_pipe, mixed_pipe, narrow_pipe, narrow5_pipe,
+                                                                   k_quant_pipe, data):
     """Each row of one tree forward has exactly the logits of its own path decoded one token at a time."""
-    target = data.draw(st.sampled_from([file_pipe.target, q8_pipe.target, mixed_pipe.target, narrow_pipe.target]))
+    target = data.draw(st.sampled_from([p.target for p in (file_pipe, q8_pipe, mixed_pipe, narrow_pipe, narrow5_pipe,
+                                                           k_quant_pipe)]))
     vocab = target.weights.vocab
     size = data.draw(st.integers(1, 40))
     parents = [-1] + [data.draw(st.integers(0, i)) for i in range(size)]
@@ -204,13 +261,15 @@ def test_tree_rows_equal_their_paths_bitwise_on_quantised_weights(file_pipe, q8_
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(which=st.sampled_from(["file", "q8_0", "mixed", "narrow"]), prompt=st.lists(st.integers(0, 7), min_size=1, max_size=12),
+@given(which=st.sampled_from(["file", "q8_0", "mixed", "narrow", "narrow5", "k_quant"]),
+       prompt=st.lists(st.integers(0, 7), min_size=1, max_size=12),
        method=st.sampled_from(METHODS), budget=st.sampled_from([4, 16, "auto"]), max_new_tokens=st.integers(1, 24))
-def test_every_method_reproduces_the_quantised_targets_greedy_text(file_pipe, q8_pipe, mixed_pipe, narrow_pipe, which, prompt,
-                                                                  method, budget, max_new_tokens):
-    pipe = {"file": file_pipe, "q8_0": q8_pipe, "mixed": mixed_pipe, "narrow": narrow_pipe}[which]
+def test_every_method_reproduces_the_quantised_targets_greedy_text(file_pipe, q8_pipe, mixed_pipe, narrow_pipe, narrow5_pipe,
+                                                                  k_quant_pipe, which, prompt, method, budget, max_new_tokens):
+    pipe = {"file": file_pipe, "q8_0": q8_pipe, "mixed": mixed_pipe, "narrow": narrow_pipe, "narrow5": narrow5_pipe,
+            "k_quant": k_quant_pipe}[which]
     if pipe.drafter is None and method not in DRAFTER_FREE_METHODS:
-        method = "ngram"  # (the narrow file's pipeline has no drafter)
+        method = "ngram"  # (the drafterless files' pipelines)
     ar = pipe.generate(input_ids=prompt, method="ar", max_new_tokens=max_new_tokens, stop_token_ids=[]).token_ids
     out = pipe.generate(input_ids=prompt, method=method, budget=budget, max_new_tokens=max_new_tokens, stop_token_ids=[])
     assert out.token_ids == ar
@@ -368,6 +427,29 @@ def test_a_narrow_models_q4_k_m_file_runs_as_stored(narrow_pipe, narrow_gguf):
     ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
     (q, _), (f, _) = prefill(target, ids), prefill(float_target, ids)
     assert not torch.equal(q, f) and (q - f).abs().max() < 0.05 * f.abs().max()
+
+
+@pytest.mark.parametrize("which", ["narrow5", "k_quant"])
+def test_q5_k_m_files_run_as_stored(which, narrow5_pipe, narrow5_gguf, k_quant_pipe, k_quant_gguf):
+    """Q5_K_M's types: Q5_K (and Q5_1, its fallback for rows whose width is no multiple of 256) on the integer
+    products, their values held as bytes beside their scales and minimums: the file as stored, the checkpoint's
+    values (the embedding's rows bit for bit), close to the float forward over them."""
+    from dartree.targets.quantized import file_target_reason
+
+    pipe, path = (narrow5_pipe, narrow5_gguf[1]) if which == "narrow5" else (k_quant_pipe, k_quant_gguf[1])
+    layer_type, v_type = ("Q5_1", "Q8_0") if which == "narrow5" else ("Q5_K", "Q6_K")
+    assert file_target_reason(GGUFTensors(path)) is None
+    target = pipe.target
+    assert target.name == f"lean-{'+'.join(sorted({layer_type.lower(), v_type.lower(), 'q8_0'}))}"
+    assert [w.qtype for w in target.weights.layers[0].qkv.parts] == [layer_type, v_type]
+    assert target.weights.layers[0].gate_up.qtype == layer_type and target.embed_tokens.weight.qtype == layer_type
+    table = pipe.target_model.get_input_embeddings().weight
+    assert torch.equal(target.embed_tokens(torch.arange(table.shape[0])), table)
+    float_target = LeanTarget(pipe.target_model, [])
+    ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
+    (q, _), (f, _) = prefill(target, ids), prefill(float_target, ids)
+    assert not torch.equal(q, f) and (q - f).abs().max() < 0.05 * f.abs().max()
+    assert len(set(pipe.generate(input_ids=[i], method="ar", max_new_tokens=6).token_ids[0] for i in range(8))) > 1
 
 
 def test_a_file_mixing_types_within_one_product_runs_it_in_parts(mixed_pipe, mixed_gguf):

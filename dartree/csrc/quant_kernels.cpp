@@ -1,4 +1,4 @@
-// Products on block-quantised weights as GGUF stores them (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K), with integer dot
+// Products on block-quantised weights as GGUF stores them (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), with integer dot
 // products: exact and row-invariant, like the lean forward's float kernels (lean_kernels.cpp).
 //
 // y[r, n] = sum over blocks b of  d_w[n, b] * d_x[r, b] * isum[r, n, b]  (+ m_w[n, b] * s_x[r, b] with a minimum)
@@ -8,7 +8,7 @@
 // block's integer dot product of the weight's quants with the row's quants, exact in int32. Every float
 // operation is a correctly rounded one in one fixed order per (row, output): for b = 0..K/32-1 in order,
 //   acc = fma(d_w * d_x, float(isum), acc)                      Q8_0, Q4_0
-//   acc = fma(d_w * d_x, float(isum), acc); acc = fma(m_w, s_x, acc)          Q4_1 (and Q4_K)
+//   acc = fma(d_w * d_x, float(isum), acc); acc = fma(m_w, s_x, acc)          Q4_1, Q5_1 (and Q4_K, Q5_K)
 //   acc = fma(d_w0 * d_x, float(isum0), acc); acc = fma(d_w1 * d_x, float(isum1), acc)   Q6_K (a scale a 16)
 // and the residual, when given, is added after the whole sum (res + acc). The instruction-set paths
 // (AVX-512 VNNI, AVX2, scalar) differ only in how the exact integer sums are formed, so they give the same
@@ -16,16 +16,17 @@
 // count. A row with a NaN gives NaN (a non-finite block makes its outputs NaN); other rows are unaffected.
 //
 // Packed layout (the same on every path), per group of 16 output rows and per block of 32 inputs, one
-// record: quants, then 16 scales, then 16 minimums (Q4_1) or second scales (Q6_K).
+// record: quants, then 16 scales, then 16 minimums (Q4_1, Q5_1) or second scales (Q6_K).
 //   quants: 4-byte units [t][j][i], unit t of output row j holding its inputs 4t..4t+3:
-//     Q8_0, Q6_K: 8 units a row, the int8 value + 128 as uint8;
+//     Q8_0, Q6_K, Q5_1: 8 units a row, the value + 128 as uint8 (Q5_1's values 0..31);
 //     Q4_0, Q4_1: 4 units a row, bytes with the low nibble input 4t+i and the high nibble input 16+4t+i
 //       (GGUF's own bytes qs[4t..4t+3] for Q4_0 and Q4_1).
 //   scales: Q8_0, Q4_0, Q4_1 keep GGUF's own fp16 scales (and minimums), 2 bytes each: a one-row product
 //     streams its weights from memory, and fp32 scales made a Q4_1 record 6 bits a weight instead of 5 (the
 //     conversion to float32 is exact, so the products' bits are the same either way).
 // Q4_K is packed into Q4_1 records with float32 scales (per 32: scale d * sc, minimum -(dmin * m), exact in
-// float32, not in fp16), Q6_K into float32 records of its own (int8 q - 32, a scale d * sc for each 16).
+// float32, not in fp16), Q5_K likewise into Q5_1 records, Q6_K into float32 records of its own (int8 q - 32, a
+// scale d * sc for each 16).
 // Rows past N (the last group's padding) have zero scales; their outputs are never written.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -55,35 +56,43 @@ constexpr int QK = 32;    // inputs per block
 constexpr int QKK = 256;  // inputs per K-quant super-block
 constexpr int G = 16;     // output rows per group
 
-// GGML's type ids (gguf.GGMLQuantizationType); Q4_0, Q4_1, Q8_0 and Q6_K are also the record types
-constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14;
+// GGML's type ids (gguf.GGMLQuantizationType); Q4_0, Q4_1, Q5_1, Q8_0 and Q6_K are also the record types
+constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14;
 
-constexpr bool wide(int64_t t) { return t == Q8_0 || t == Q6_K; }  // a byte a value
-constexpr bool two_floats(int64_t t) { return t == Q4_1 || t == Q6_K; }  // a second float a row: minimum or scale
+constexpr bool wide(int64_t t) { return t == Q8_0 || t == Q6_K || t == Q5_1; }  // a byte a value
+constexpr bool has_min(int64_t t) { return t == Q4_1 || t == Q5_1; }  // value = scale * q + minimum
+constexpr bool two_floats(int64_t t) { return has_min(t) || t == Q6_K; }  // a second float a row: minimum or scale
 constexpr int64_t quant_bytes(int64_t t) { return wide(t) ? G * QK : G * QK / 2; }
-// a record of type t, its floats fp16 (H) or float32
-constexpr int64_t record_bytes(int64_t t, bool H) { return quant_bytes(t) + G * (H ? 2 : 4) * (two_floats(t) ? 2 : 1); }
+// a record of type t, its floats fp16 (H) or float32. Q5_1's float32 record (Q5_K's) would be as long as Q6_K's; 16
+// bytes of padding tell them apart (a packed weight's record type is read from its record size; 2.5 % more bytes)
+constexpr int64_t record_bytes(int64_t t, bool H) {
+  return quant_bytes(t) + G * (H ? 2 : 4) * (two_floats(t) ? 2 : 1) + (t == Q5_1 && !H ? 16 : 0);
+}
 // where a record's second floats start (after the quants and the scales)
 constexpr int64_t second_at(int64_t t, bool H) { return quant_bytes(t) + G * (H ? 2 : 4); }
 // Q5_0 (d * (q - 16), q of 5 bits: llama.cpp's Q4_K_M writes it for rows whose width is no multiple of 256) is held
-// in Q8_0's records, its values as bytes beside its own fp16 scale: the same values, 8.5 bits a weight instead of 5.5
-constexpr int64_t record_type(int64_t t) { return t == Q4_K ? Q4_1 : t == Q5_0 ? Q8_0 : t; }
-constexpr bool half_record(int64_t t) { return t == Q4_0 || t == Q4_1 || t == Q5_0 || t == Q8_0; }  // GGUF's fp16 scales kept
+// in Q8_0's records, its values as bytes beside its own fp16 scale: the same values, 8.5 bits a weight instead of 5.5.
+// Q5_1 (d * q + m, q of 5 bits; Q5_K_M's fallback for such rows) and Q5_K (its K-quant, a scale and a minimum a 32)
+// are held as bytes with their scales and minimums: 9 bits a weight (Q5_1, fp16) and 10.5 (Q5_K, float32) instead of
+// 6 and 5.5, the values exactly
+constexpr int64_t record_type(int64_t t) { return t == Q4_K ? Q4_1 : t == Q5_0 ? Q8_0 : t == Q5_K ? Q5_1 : t; }
+constexpr bool half_record(int64_t t) { return t == Q4_0 || t == Q4_1 || t == Q5_0 || t == Q5_1 || t == Q8_0; }  // GGUF's fp16 scales kept
 // GGUF's bytes per block (of 32, or of 256 for the K-quants) and values per block
 constexpr int64_t raw_bytes(int64_t t) {
-  return t == Q8_0 ? 34 : t == Q4_0 ? 18 : t == Q4_1 ? 20 : t == Q5_0 ? 22 : t == Q4_K ? 144 : 210;
+  return t == Q8_0 ? 34 : t == Q4_0 ? 18 : t == Q4_1 ? 20 : t == Q5_0 ? 22 : t == Q5_1 ? 24 : t == Q4_K ? 144
+         : t == Q5_K ? 176 : 210;
 }
-constexpr int64_t raw_values(int64_t t) { return t == Q4_K || t == Q6_K ? QKK : QK; }
+constexpr int64_t raw_values(int64_t t) { return t == Q4_K || t == Q5_K || t == Q6_K ? QKK : QK; }
 
 struct RecordKind {
-  int64_t type;  // Q4_0, Q4_1, Q8_0 or Q6_K
+  int64_t type;  // Q4_0, Q4_1, Q5_1, Q8_0 or Q6_K
   bool half;     // fp16 floats
 };
 
 // the record kind of a packed weight, from its record size (every kind's size differs)
 RecordKind kind_of_record(int64_t bytes) {
   for (RecordKind k : {RecordKind{Q4_0, true}, RecordKind{Q4_1, true}, RecordKind{Q8_0, true}, RecordKind{Q4_1, false},
-                       RecordKind{Q6_K, false}})
+                       RecordKind{Q6_K, false}, RecordKind{Q5_1, true}, RecordKind{Q5_1, false}})
     if (record_bytes(k.type, k.half) == bytes) return k;
   TORCH_CHECK(false, "quant: not a packed weight (record of ", bytes, " bytes)");
   return {-1, false};
@@ -114,7 +123,7 @@ inline int64_t nibble_at(int v, int j) { return (((v % 16) / 4) * G + j) * 4 + v
 // ---------------------------------------------------------------- activations
 // One block of 32 of one row, quantised: q (32 int8 as 8 dwords), d, ds = d * float(sum of q), and what the
 // unsigned-by-signed integer products need added (the weight's offset times the row's sums: Q8_0 and Q6_K
-// -128, Q4_0 -8, Q4_1 0; Q6_K's for each half). qproduct lays them out block-major, [K/32][M], so that
+// and Q5_1 -128, Q4_0 -8, Q4_1 0; Q6_K's for each half). qproduct lays them out block-major, [K/32][M], so that
 // the R rows of a tile sit at constant offsets from one pointer.
 struct alignas(16) ActBlock {
   int32_t q[8];
@@ -282,7 +291,7 @@ inline void tile(const uint8_t* rec, const ActBlock* act, int64_t M, int64_t nb,
       }
     }
     const __m512 dw = floats16<H>(rb + QB);
-    const __m512 second = two_floats(T) ? floats16<H>(rb + SB) : dw;  // Q4_1's minimums, Q6_K's second scales
+    const __m512 second = two_floats(T) ? floats16<H>(rb + SB) : dw;  // Q4_1's and Q5_1's minimums, Q6_K's second scales
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       // the block's integer dot products, exact: dpbusd multiplies the weight's unsigned bytes by the row's
@@ -301,7 +310,7 @@ inline void tile(const uint8_t* rec, const ActBlock* act, int64_t M, int64_t nb,
       } else {
         acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, dx), _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), acc[r]);
       }
-      if constexpr (T == Q4_1)
+      if constexpr (has_min(T))
         acc[r] = _mm512_fmadd_ps(second, _mm512_set1_ps(ab[r].ds), acc[r]);
     }
   }
@@ -374,7 +383,7 @@ inline void tile(const uint8_t* rec, const ActBlock* act, int64_t M, int64_t nb,
           acc[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(_mm256_add_epi32(s[r][h][0], s[r][h][1])),
                                       acc[r][h]);
         }
-        if constexpr (T == Q4_1)
+        if constexpr (has_min(T))
           acc[r][h] = _mm256_fmadd_ps(second, _mm256_set1_ps(ab[r].ds), acc[r][h]);
       }
     }
@@ -389,7 +398,7 @@ inline void tile(const uint8_t* rec, const ActBlock* act, int64_t M, int64_t nb,
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* rb = rec + b * RB;
     const ActBlock* ab = act + b * M + r0;
-    float dw[G], second[G];  // scales; Q4_1's minimums, Q6_K's scales of inputs 16..31
+    float dw[G], second[G];  // scales; Q4_1's and Q5_1's minimums, Q6_K's scales of inputs 16..31
     for (int j = 0; j < G; ++j) {
       dw[j] = float_at<H>(rb + QB, j);
       second[j] = two_floats(T) ? float_at<H>(rb + SB, j) : dw[j];
@@ -414,7 +423,7 @@ inline void tile(const uint8_t* rec, const ActBlock* act, int64_t M, int64_t nb,
         } else {
           out[r][j] = std::fma(dw[j] * ab[r].d, (float)(s[0] + s[1]), out[r][j]);
         }
-        if constexpr (T == Q4_1) out[r][j] = std::fma(second[j], ab[r].ds, out[r][j]);
+        if constexpr (has_min(T)) out[r][j] = std::fma(second[j], ab[r].ds, out[r][j]);
       }
     }
   }
@@ -463,11 +472,11 @@ void product_impl(const ActBlock* act, int64_t M, int64_t nb, const uint8_t* pac
 
 // ---------------------------------------------------------------- packing
 // One block of 32 of one output row, decoded from GGUF's bytes: the values as integers (Q4_x: 0..15, Q8_0 and
-// Q6_K: signed) and the record's two floats (scale; minimum, or Q6_K's scale of inputs 16..31).
+// Q6_K: signed; Q5_1 and Q5_K: 0..31) and the record's two floats (scale; minimum, or Q6_K's scale of inputs 16..31).
 struct Decoded {
   int q[QK];
   float a, b;
-  uint16_t half_a, half_b;  // Q8_0, Q4_0, Q4_1: GGUF's fp16 bits of a and b (b's 0 for Q8_0 and Q4_0)
+  uint16_t half_a, half_b;  // Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: GGUF's fp16 bits of a and b (b's 0 without a minimum)
 };
 
 // block b (of 32) of a row of GGUF blocks
@@ -484,23 +493,29 @@ Decoded decode(const uint8_t* row, int64_t qtype, int64_t b) {
       o.q[v] = qtype == Q8_0 ? (int)(int8_t)qs[v] : (v < 16 ? qs[v] & 0x0F : qs[v - 16] >> 4);
     return o;
   }
-  if (qtype == Q5_0) {
-    // d (fp16), 4 bytes of high bits (bit v: value v's fifth bit), 16 bytes of nibbles as Q4_0's
+  if (qtype == Q5_0 || qtype == Q5_1) {
+    // d (fp16), Q5_1's m (fp16), 4 bytes of high bits (bit v: value v's fifth bit), 16 bytes of nibbles as Q4_0's
     const uint8_t* blk = row + b * raw_bytes(qtype);
     o.a = half_to_float(blk);
     std::memcpy(&o.half_a, blk, 2);
+    const int64_t at = qtype == Q5_1 ? 4 : 2;  // where the high bits start
+    if (qtype == Q5_1) {
+      o.b = half_to_float(blk + 2);
+      std::memcpy(&o.half_b, blk + 2, 2);
+    }
     uint32_t high;
-    std::memcpy(&high, blk + 2, 4);  // little-endian, as GGUF writes it
-    const uint8_t* qs = blk + 6;
+    std::memcpy(&high, blk + at, 4);  // little-endian, as GGUF writes it
+    const uint8_t* qs = blk + at + 4;
     for (int v = 0; v < QK; ++v)
-      o.q[v] = ((v < 16 ? qs[v] & 0x0F : qs[v - 16] >> 4) | (int)((high >> v) & 1u) << 4) - 16;
+      o.q[v] = ((v < 16 ? qs[v] & 0x0F : qs[v - 16] >> 4) | (int)((high >> v) & 1u) << 4) - (qtype == Q5_0 ? 16 : 0);
     return o;
   }
   const uint8_t* blk = row + (b / 8) * raw_bytes(qtype);
   const int sub = b % 8;  // the 32-block within the super-block
-  if (qtype == Q4_K) {
-    // d, dmin (fp16), 12 bytes of 6-bit scales and minimums, 128 bytes of nibbles: 64 values a 32 bytes,
-    // the even 32-block in the low nibbles, the odd one in the high nibbles (llama.cpp's get_scale_min_k4)
+  if (qtype == Q4_K || qtype == Q5_K) {
+    // d, dmin (fp16), 12 bytes of 6-bit scales and minimums, (Q5_K: 32 bytes of high bits, bit j of byte i the
+    // fifth bit of value i of 32-block j,) 128 bytes of nibbles: 64 values a 32 bytes, the even 32-block in the
+    // low nibbles, the odd one in the high nibbles (llama.cpp's get_scale_min_k4)
     const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
     const uint8_t* sc = blk + 4;
     const int j = sub;
@@ -508,8 +523,10 @@ Decoded decode(const uint8_t* row, int64_t qtype, int64_t b) {
     const int min = j < 4 ? sc[j + 4] & 63 : (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
     o.a = d * (float)scale;        // exact: an 11-bit mantissa times 6 bits
     o.b = -(dmin * (float)min);    // value = a * q + b = (d * sc) * q - dmin * m, as gguf computes it
-    const uint8_t* qs = blk + 16 + 32 * (j / 2);
-    for (int v = 0; v < QK; ++v) o.q[v] = j % 2 ? qs[v] >> 4 : qs[v] & 0x0F;
+    const uint8_t* qh = blk + 16;
+    const uint8_t* qs = blk + (qtype == Q5_K ? 48 : 16) + 32 * (j / 2);
+    for (int v = 0; v < QK; ++v)
+      o.q[v] = (j % 2 ? qs[v] >> 4 : qs[v] & 0x0F) | (qtype == Q5_K ? ((qh[v] >> j) & 1) << 4 : 0);
     return o;
   }
   // Q6_K: ql (128: 4 low bits), qh (64: 2 high bits), 16 int8 scales (one a 16), d (fp16); the values of
@@ -536,8 +553,9 @@ Decoded decode(const uint8_t* row, int64_t qtype, int64_t b) {
 // raw: uint8 [N, K / block values * block bytes], GGUF's blocks of one tensor as stored;
 // -> uint8 [ceil(N / 16), K / 32, record bytes]
 torch::Tensor pack(torch::Tensor raw, int64_t qtype, int64_t K) {
-  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q5_0 || qtype == Q8_0 || qtype == Q4_K || qtype == Q6_K,
-              "quant.pack: type ", qtype, " is not Q4_0, Q4_1, Q5_0, Q8_0, Q4_K or Q6_K");
+  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q5_0 || qtype == Q5_1 || qtype == Q8_0 || qtype == Q4_K ||
+                  qtype == Q5_K || qtype == Q6_K,
+              "quant.pack: type ", qtype, " is not Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K");
   TORCH_CHECK(K > 0 && K % raw_values(qtype) == 0, "quant.pack: K must be a positive multiple of ", raw_values(qtype));
   TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == torch::kUInt8 && raw.is_contiguous(), "quant.pack: contiguous uint8 [N, bytes]");
   const int64_t rt = record_type(qtype), N = raw.size(0), nb = K / QK;
@@ -579,7 +597,7 @@ torch::Tensor pack(torch::Tensor raw, int64_t qtype, int64_t K) {
 }
 
 // packed -> float32 [n, K]: GGUF's dequantisation, value for value, as gguf.quants computes it (Q8_0 and
-// Q6_K: q * d; Q4_0: d * (q - 8); Q4_1 and Q4_K: d * q + m), each a correctly rounded operation. With
+// Q6_K: q * d; Q4_0: d * (q - 8); Q4_1, Q5_1, Q4_K and Q5_K: d * q + m), each a correctly rounded operation. With
 // ``rows`` (int64 [R]) only those rows, in that order, [R, K]: a token embedding's lookup in the weight
 // that a tied output layer multiplies by, so that the table is held once.
 torch::Tensor dequantize(torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> rows) {
@@ -608,7 +626,9 @@ torch::Tensor dequantize(torch::Tensor packed, int64_t N, c10::optional<torch::T
         const float second = !two_floats(rt) ? 0.0f : kind.half ? float_at<true>(rec + SB, j) : float_at<false>(rec + SB, j);
         float* o = base + i * K + b * QK;
         for (int v = 0; v < QK; ++v) {
-          if (wide(rt)) {
+          if (rt == Q5_1) {
+            o[v] = a * (float)(int8_t)(rec[wide_at(v, j)] ^ 0x80) + second;
+          } else if (wide(rt)) {
             o[v] = (float)(int8_t)(rec[wide_at(v, j)] ^ 0x80) * (rt == Q6_K && v >= 16 ? second : a);
           } else {
             const uint8_t byte = rec[nibble_at(v, j)];
@@ -682,6 +702,8 @@ torch::Tensor qproduct(torch::Tensor x, torch::Tensor packed, int64_t N, c10::op
   else if (rt == Q4_0) product_impl<Q4_0, true>(act.data(), M, nb, wp, N, yp, rp);
   else if (rt == Q4_1 && kind.half) product_impl<Q4_1, true>(act.data(), M, nb, wp, N, yp, rp);
   else if (rt == Q4_1) product_impl<Q4_1, false>(act.data(), M, nb, wp, N, yp, rp);  // packed from Q4_K
+  else if (rt == Q5_1 && kind.half) product_impl<Q5_1, true>(act.data(), M, nb, wp, N, yp, rp);
+  else if (rt == Q5_1) product_impl<Q5_1, false>(act.data(), M, nb, wp, N, yp, rp);  // packed from Q5_K
   else product_impl<Q6_K, false>(act.data(), M, nb, wp, N, yp, rp);
   return y;
 }
@@ -700,7 +722,7 @@ std::string path() {
 #if !defined(DARTREE_NO_MODULE)  // forward_kernels.cpp compiles this file into its own module
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = py::call_guard<py::gil_scoped_release>;
-  m.def("pack", &pack, "GGUF blocks [N, bytes] of a Q4_0/Q4_1/Q8_0/Q4_K/Q6_K tensor -> the packed weight", py::arg("raw"),
+  m.def("pack", &pack, "GGUF blocks [N, bytes] of a Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K tensor -> the packed weight", py::arg("raw"),
         py::arg("qtype"), py::arg("k"), release());
   m.def("dequantize", &dequantize, "packed weight -> float32 [n, K] (or its rows [R, K]), GGUF's values", py::arg("packed"),
         py::arg("n"), py::arg("rows") = py::none(), release());
