@@ -30,14 +30,24 @@ SHAPES = {"o 576x576": (576, 576, 30), "qkv 960x576": (960, 576, 30), "gate_up 3
           "down 576x1536": (576, 1536, 30), "output 49152x576": (49152, 576, 1)}
 
 
+# where a type's fp16 scale (and minimum) sit in its GGUF block; the rest of a random block is random quants
+SCALE_AT = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
 def random_blocks(qtype: str, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
-    """Random GGUF blocks [n, k / 32 * bytes] with small normal fp16 scales (and minimums for Q4_1)."""
-    nb, size = k // 32, quant.BLOCK_FORMAT[qtype][1]
+    """Random GGUF blocks [n, k / values * bytes] with small normal fp16 scales (and minimums for Q4_1 and Q5_1;
+    the K-quants' d and dmin)."""
+    values, size = quant.BLOCK_FORMAT[qtype]
+    nb = k // values
     raw = torch.randint(0, 256, (n, nb, size), generator=gen, dtype=torch.uint8)
-    d = (torch.rand(n, nb, 1, generator=gen) * 0.01 + 0.001).to(torch.float16)
-    raw[..., :2] = d.view(torch.uint8)
-    if qtype == "Q4_1":
-        raw[..., 2:4] = (-8 * d).view(torch.uint8)
+    for offset in SCALE_AT.get(qtype, (0,)):
+        d = (torch.rand(n, nb, 1, generator=gen) * 0.01 + 0.001).to(torch.float16)
+        raw[..., offset:offset + 2] = d.view(torch.uint8)
+        if qtype in ("Q4_1", "Q5_1"):
+            raw[..., 2:4] = (-8 * d).view(torch.uint8)
+    if qtype in ("Q4_K", "Q5_K", "Q6_K"):  # small 6-bit scales, not random bytes' extremes
+        d = (torch.rand(n, nb, 1, generator=gen) * 1e-4 + 1e-5).to(torch.float16)
+        raw[..., SCALE_AT[qtype][0]:SCALE_AT[qtype][0] + 2] = d.view(torch.uint8)
     return raw.reshape(n, nb * size)
 
 
