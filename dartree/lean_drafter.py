@@ -71,6 +71,7 @@ class LeanDrafterWeights:
         cfg = model.config
         require(not model.float_weights_released, RELEASED)
         self.model, self.products = model, products
+        self.key = _key(model, lm_head, products)  # what they were made from (``up_to_date``)
         self._ext = kernels.load()
         self._qext = quant.load() if products == "q8_0" else None
         self.hidden, self.heads, self.kv_heads, self.head_dim = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -132,19 +133,27 @@ def _prepared_linears(model: DrafterModel, lm_head: nn.Module) -> list[nn.Module
 
 def _key(model: DrafterModel, lm_head: nn.Module, products: str) -> tuple:
     """What the lean weights are made of: the output layer, the products, and each prepared weight
-    (replaced, or changed in place as ``load_state_dict`` does: its version counter moves)."""
-    return (id(lm_head), products) + tuple((id(m.weight), m.weight._version) for m in _prepared_linears(model, lm_head))
+    (replaced, or changed in place as ``load_state_dict`` does: its version counter moves; its storage,
+    should a replacement reuse a freed one's id)."""
+    return (id(lm_head), products) + tuple((id(m.weight), m.weight._version, m.weight.data_ptr())
+                                           for m in _prepared_linears(model, lm_head))
 
 
 def lean_weights_of(model: DrafterModel, lm_head: nn.Module, products: str = DRAFTER_PRODUCTS[0]) -> LeanDrafterWeights:
     """The lean weights of ``model`` (prepared on first use, kept on the model: one copy per drafter;
     prepared again when a weight they copy changes, e.g. training's evaluation loading new weights)."""
-    key = _key(model, lm_head, products)
     cached = model.__dict__.get("_lean_weights")
-    if cached is None or cached[0] != key:
-        cached = (key, LeanDrafterWeights(model, lm_head, products))
-        model.__dict__["_lean_weights"] = cached
-    return cached[1]
+    if cached is None or cached.key != _key(model, lm_head, products):
+        cached = model.__dict__["_lean_weights"] = LeanDrafterWeights(model, lm_head, products)
+    return cached
+
+
+def up_to_date(weights: LeanDrafterWeights, lm_head: nn.Module) -> LeanDrafterWeights:
+    """``weights``, or the drafter's lean weights made again where a weight they copy has changed since
+    (training's evaluation loads new weights into a drafter whose proposers already hold lean weights)."""
+    if weights.key == _key(weights.model, lm_head, weights.products):
+        return weights
+    return lean_weights_of(weights.model, lm_head, weights.products)
 
 
 def release_float_weights(model: DrafterModel, lm_head: nn.Module) -> int:
@@ -163,7 +172,8 @@ def release_float_weights(model: DrafterModel, lm_head: nn.Module) -> int:
             continue
         dropped += weight.numel() * weight.element_size()
         linear.weight = nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False)
-    model.__dict__["_lean_weights"] = (_key(model, lm_head, lean.products), lean)
+    lean.key = _key(model, lm_head, lean.products)  # the same weights, now held only by the lean copies
+    model.__dict__["_lean_weights"] = lean
     return dropped
 
 

@@ -13,7 +13,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .drafter import CONFIG_NAME, WEIGHTS_NAME, DrafterConfig, DrafterModel
+from .drafter import CONFIG_NAME, RELEASED, WEIGHTS_NAME, DrafterConfig, DrafterModel
 from .errors import CheckpointError, DartreeError, require
 from .hardware import default_dtype
 from .attention import register_attention
@@ -196,6 +196,7 @@ def save_drafter(model: DrafterModel, directory: str | Path, shared_backbone: st
     """Write ``model`` in the DFlash on-disk format. ``shared_backbone``: a weights file (a path
     relative to ``directory``) that already holds this drafter's backbone, bit for bit (checked):
     only the head's tensors are written, and config.json names the file (``backbone_weights``)."""
+    require(not model.float_weights_released, RELEASED)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = {}

@@ -76,7 +76,7 @@ class QuantWeight:
     Q8_0, Q4_0 and Q4_1 keep GGUF's fp16 scales, 8.5, 4.5 and 5 bits a weight as in the file; Q4_K is held
     in Q4_1's records with float32 floats, exactly: scale d * sc and minimum -dmin * m per 32; Q5_0 in Q8_0's
     records, its 5-bit values as bytes beside its fp16 scale; Q5_1 as bytes with its fp16 scale and minimum, 9 bits a
-    weight; Q5_K likewise with float32 floats, as Q4_K, 10.5 bits a weight)."""
+    weight; Q5_K likewise with float32 floats, as Q4_K, 10.25 bits a weight)."""
 
     qtype: str
     shape: tuple[int, int]

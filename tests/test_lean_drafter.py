@@ -16,11 +16,11 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason="no compiler for
 HIDDEN, VOCAB, TAPPED = 64, 101, 2
 
 
-def tiny_drafter(seed: int = 0) -> tuple[DrafterModel, nn.Embedding]:
+def tiny_drafter(seed: int = 0, draft_vocab_size: int | None = 64) -> tuple[DrafterModel, nn.Embedding]:
     cfg = DrafterConfig(hidden_size=HIDDEN, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, block_size=6, num_target_layers=4,
                         mask_token_id=VOCAB - 1, target_layer_ids=[1, 2], rope_theta=10_000.0, shift_label=True,
-                        draft_vocab_size=64)
+                        draft_vocab_size=draft_vocab_size)
     torch.manual_seed(seed)
     model = DrafterModel(cfg).float()
     with torch.no_grad():
@@ -84,29 +84,33 @@ def test_lean_weights_follow_the_drafters_weights_when_they_change():
     first = lean_weights_of(model, model.lm_head)
     assert lean_weights_of(model, model.lm_head) is first  # unchanged weights: prepared once
     tapped = states(5, 0)
-    before = DraftProposer(model, embed, model.lm_head).draft(3, tapped, 5)
+    held = DraftProposer(model, embed, model.lm_head)  # made before the change, as a pipeline's own proposer is
+    before = held.draft(3, tapped, 5)
     newer, _ = tiny_drafter(3)
     model.load_state_dict(newer.state_dict())
     second = lean_weights_of(model, model.lm_head)
     assert second is not first
-    after = DraftProposer(model, embed, model.lm_head).draft(3, tapped, 5)
     want = DraftProposer(newer, embed, newer.lm_head).draft(3, tapped, 5)
-    assert torch.equal(after.base_logits, want.base_logits) and not torch.equal(after.base_logits, before.base_logits)
+    after = DraftProposer(model, embed, model.lm_head).draft(3, tapped, 5)
+    held.reset()  # a new prompt
+    again = held.draft(3, tapped, 5)
+    assert not torch.equal(want.base_logits, before.base_logits)
+    assert torch.equal(after.base_logits, want.base_logits) and torch.equal(again.base_logits, want.base_logits)
 
 
-def test_released_float_weights_draft_the_same_and_say_how_to_keep_them():
+def test_released_float_weights_draft_the_same_and_say_how_to_keep_them(tmp_path):
     from dartree.errors import DartreeError
     from dartree.lean_drafter import lean_weights_of, release_float_weights
+    from dartree.loading import save_drafter
 
     model, embed = tiny_drafter(4)
     kept, _ = tiny_drafter(4)
-    target_head = nn.Linear(HIDDEN, VOCAB, bias=False)
     dropped = release_float_weights(model, model.lm_head)
     linears = [model.fc, model.lm_head] + [m for layer in model.layers for m in (*layer.self_attn.children(), *layer.mlp.children())
                                            if isinstance(m, nn.Linear)]
     assert dropped == sum(m.weight.numel() * 4 for m in {id(m): m for m in linears}.values())
     assert model.float_weights_released and all(m.weight.device.type == "meta" for m in linears)
-    assert model.norm.weight.device.type == "cpu" and target_head.weight.device.type == "cpu"
+    assert model.norm.weight.device.type == "cpu"
     for step, new in enumerate([7, 2, 5]):  # the proposers made after the release draft as before it
         a = DraftProposer(model, embed, model.lm_head).draft(4 + step, states(new, step), new)
         b = DraftProposer(kept, embed, kept.lm_head).draft(4 + step, states(new, step), new)
@@ -117,3 +121,22 @@ def test_released_float_weights_draft_the_same_and_say_how_to_keep_them():
         proposer.draft(4, states(3, 0), 3)
     with pytest.raises(DartreeError, match="keep_drafter_weights=True"):
         lean_weights_of(model, model.lm_head, "float32")  # new lean copies need the float weights
+    with pytest.raises(DartreeError, match="keep_drafter_weights=True"):
+        save_drafter(model, tmp_path / "released")  # it would write no weights
+
+
+def test_releasing_a_drafter_without_its_own_output_layer_keeps_the_targets():
+    """A drafter over the target's vocabulary drafts with the target's output layer: that weight is not the drafter's
+    to drop."""
+    from dartree.lean_drafter import release_float_weights
+
+    model, embed = tiny_drafter(5, draft_vocab_size=None)
+    kept, _ = tiny_drafter(5, draft_vocab_size=None)
+    assert model.lm_head is None
+    target_head = nn.Linear(HIDDEN, VOCAB, bias=False)
+    release_float_weights(model, target_head)
+    assert model.float_weights_released and target_head.weight.device.type == "cpu"
+    for step, new in enumerate([6, 3]):
+        a = DraftProposer(model, embed, target_head).draft(2 + step, states(new, 10 + step), new)
+        b = DraftProposer(kept, embed, target_head).draft(2 + step, states(new, 10 + step), new)
+        assert torch.equal(a.base_logits, b.base_logits)

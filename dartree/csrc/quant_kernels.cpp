@@ -73,8 +73,8 @@ constexpr int64_t second_at(int64_t t, bool H) { return quant_bytes(t) + G * (H 
 // Q5_0 (d * (q - 16), q of 5 bits: llama.cpp's Q4_K_M writes it for rows whose width is no multiple of 256) is held
 // in Q8_0's records, its values as bytes beside its own fp16 scale: the same values, 8.5 bits a weight instead of 5.5.
 // Q5_1 (d * q + m, q of 5 bits; Q5_K_M's fallback for such rows) and Q5_K (its K-quant, a scale and a minimum a 32)
-// are held as bytes with their scales and minimums: 9 bits a weight (Q5_1, fp16) and 10.5 (Q5_K, float32) instead of
-// 6 and 5.5, the values exactly
+// are held as bytes with their scales and minimums: 9 bits a weight (Q5_1, fp16) and 10.25 (Q5_K, float32, with its
+// padding) instead of 6 and 5.5, the values exactly
 constexpr int64_t record_type(int64_t t) { return t == Q4_K ? Q4_1 : t == Q5_0 ? Q8_0 : t == Q5_K ? Q5_1 : t; }
 constexpr bool half_record(int64_t t) { return t == Q4_0 || t == Q4_1 || t == Q5_0 || t == Q5_1 || t == Q8_0; }  // GGUF's fp16 scales kept
 // GGUF's bytes per block (of 32, or of 256 for the K-quants) and values per block

@@ -8,7 +8,7 @@ from torch import nn
 
 from ..drafter import DrafterCache, DrafterModel, DraftOutput
 from ..errors import require
-from ..lean_drafter import lean_draft_forward, lean_drafter_reason, lean_logits, lean_weights_of
+from ..lean_drafter import lean_draft_forward, lean_drafter_reason, lean_logits, lean_weights_of, up_to_date
 from ..targets.lean import KVStore
 from .base import register
 
@@ -115,6 +115,9 @@ def draft_batch(proposers: list[DraftProposer], bonuses: list[int], tapped_state
     new = [f.shape[0] for f in tapped_states]
     require(all(c + n == s for c, n, s in zip(cached, new, starts)), "drafter context out of step with the target")
     if first.lean is not None:
+        lean = up_to_date(first.lean, first.lm_head)  # the drafter's weights may have changed since (training's evaluation)
+        for p in proposers:  # (their context K/V, from the old weights, stays until a reset: a new prompt)
+            p.lean = lean
         embeds = model.block_embeddings(first.embed_tokens, torch.tensor(bonuses, device=device), q)
         hidden = lean_draft_forward(first.lean, [p.store for p in proposers], embeds, tapped_states, starts)
         if not cfg.shift_label:
