@@ -73,10 +73,11 @@ class QuantWeight:
 
     ``qtype`` is one of ``TYPES``; ``packed`` is uint8 [ceil(N / 16), K / 32,
     record bytes] (the same layout on every instruction-set path, described in csrc/quant_kernels.cpp:
-    Q8_0, Q4_0 and Q4_1 keep GGUF's fp16 scales, 8.5, 4.5 and 5 bits a weight as in the file; Q4_K is held
-    in Q4_1's records with float32 floats, exactly: scale d * sc and minimum -dmin * m per 32; Q5_0 in Q8_0's
+    Q8_0, Q4_0 and Q4_1 keep GGUF's fp16 scales, 8.5, 4.5 and 5 bits a weight as in the file; Q5_0 in Q8_0's
     records, its 5-bit values as bytes beside its fp16 scale; Q5_1 as bytes with its fp16 scale and minimum, 9 bits a
-    weight; Q5_K likewise with float32 floats, as Q4_K, 10.25 bits a weight)."""
+    weight; the K-quants keep each row's fp16 d (and dmin) beside a byte for each 32's (each 16's for Q6_K) scale (and
+    minimum), multiplied in the kernels (exact): Q4_K as nibbles, 5.5 bits a weight, Q5_K and Q6_K as bytes, 9.5 and
+    9.25)."""
 
     qtype: str
     shape: tuple[int, int]

@@ -18,7 +18,7 @@ SCALE_OFFSETS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1
                  "Q6_K": (208,)}
 GGUF_QUANTISES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # the types gguf's own quantiser writes
 WIDE = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K")  # held a byte a value (Q5_0 in Q8_0's records, Q5_K in Q5_1's)
-HALF = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # GGUF's fp16 scales kept; the K-quants' records hold float32
+HALF = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # GGUF's fp16 scales kept; the K-quants': fp16 d and integer scales
 WITH_MIN = ("Q4_1", "Q4_K", "Q5_1", "Q5_K")
 
 
@@ -129,11 +129,21 @@ def record_parts(qw: quant.QuantWeight) -> tuple[torch.Tensor, torch.Tensor, tor
     else:
         q = torch.cat([units & 0x0F, units >> 4], dim=2) - (8 if qw.qtype == "Q4_0" else 0)
     q = q.permute(0, 3, 1, 2, 4).reshape(groups * 16, nb, 32)[:n].double()
-    float_type = torch.float16 if qw.qtype in HALF else torch.float32
-    size = 2 if qw.qtype in HALF else 4
-    count = 2 if qw.qtype in WITH_MIN or qw.qtype == "Q6_K" else 1
-    assert qw.packed.shape[2] == qb + 16 * size * count + (16 if qw.qtype == "Q5_K" else 0)  # (Q5_K's padding)
-    floats = qw.packed[..., qb:qb + 16 * size * count].contiguous().view(float_type).reshape(groups, nb, -1, 16)
+    if qw.qtype in ("Q4_K", "Q5_K", "Q6_K"):  # each row's fp16 d (and dmin), then its integer scales (and minimums)
+        assert qw.packed.shape[2] == qb + (96 if qw.qtype != "Q6_K" else 64 + 16)  # (Q6_K's padding)
+        f = qw.packed[..., qb:]
+        d = f[..., :32].contiguous().view(torch.float16).reshape(groups, nb, 1, 16).double()
+        if qw.qtype == "Q6_K":
+            floats = d * f[..., 32:64].contiguous().view(torch.int8).reshape(groups, nb, 2, 16).double()
+        else:
+            dmin = f[..., 32:64].contiguous().view(torch.float16).reshape(groups, nb, 1, 16).double()
+            sc_m = f[..., 64:96].reshape(groups, nb, 2, 16).double()
+            floats = torch.cat([d * sc_m[:, :, :1], -(dmin * sc_m[:, :, 1:])], dim=2)
+    else:
+        float_type = torch.float16 if qw.qtype in HALF else torch.float32
+        count = 2 if qw.qtype in WITH_MIN else 1
+        assert qw.packed.shape[2] == qb + 16 * 2 * count
+        floats = qw.packed[..., qb:].contiguous().view(float_type).reshape(groups, nb, -1, 16)
     floats = floats.permute(0, 3, 1, 2).reshape(groups * 16, nb, -1)[:n].double()  # fp16 widens exactly
     a = floats[..., :2] if qw.qtype == "Q6_K" else floats[..., :1].expand(n, nb, 2)
     b = floats[..., 1] if qw.qtype in WITH_MIN else torch.zeros(n, nb, dtype=torch.float64)

@@ -24,9 +24,12 @@
 //   scales: Q8_0, Q4_0, Q4_1 keep GGUF's own fp16 scales (and minimums), 2 bytes each: a one-row product
 //     streams its weights from memory, and fp32 scales made a Q4_1 record 6 bits a weight instead of 5 (the
 //     conversion to float32 is exact, so the products' bits are the same either way).
-// Q4_K is packed into Q4_1 records with float32 scales (per 32: scale d * sc, minimum -(dmin * m), exact in
-// float32, not in fp16), Q5_K likewise into Q5_1 records, Q6_K into float32 records of its own (int8 q - 32, a
-// scale d * sc for each 16).
+// The K-quants keep their own records: Q4_K its nibbles, Q5_K (values 0..31) and Q6_K (int8 q - 32) a byte a value,
+// then each row's super-block d (and dmin) as fp16 and the 32-block's 6-bit scale and minimum (Q6_K: its two int8
+// scales, one a 16) a byte each (``k_floats``); the kernels form d * sc and -(dmin * m), exact in float32 (not in
+// fp16), so the products are those of float32 scales. Measured (scripts/quant_products_ab.py, AMD EPYC Zen 3, AVX2,
+// 2 threads, a 1B model's shapes) against float32 scales in the records: one row 1.10-1.27x (Q4_K), 1.03-1.05x
+// (Q5_K), 1.11-1.23x (Q6_K) faster, 4-64 rows the same within noise.
 // Rows past N (the last group's padding) have zero scales; their outputs are never written.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -59,23 +62,27 @@ constexpr int G = 16;     // output rows per group
 // GGML's type ids (gguf.GGMLQuantizationType); Q4_0, Q4_1, Q5_1, Q8_0 and Q6_K are also the record types
 constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14;
 
-constexpr bool wide(int64_t t) { return t == Q8_0 || t == Q6_K || t == Q5_1; }  // a byte a value
-constexpr bool has_min(int64_t t) { return t == Q4_1 || t == Q5_1; }  // value = scale * q + minimum
+constexpr bool wide(int64_t t) { return t == Q8_0 || t == Q6_K || t == Q5_1 || t == Q5_K; }  // a byte a value
+constexpr bool has_min(int64_t t) { return t == Q4_1 || t == Q5_1 || t == Q4_K || t == Q5_K; }  // scale * q + minimum
 constexpr bool two_floats(int64_t t) { return has_min(t) || t == Q6_K; }  // a second float a row: minimum or scale
+// the K-quants' records: each row's super-block floats as fp16 (d, and dmin) beside the block's integer scale (and
+// minimum), multiplied in the kernels (exact in float32: 11 bits times 6 or 8)
+constexpr bool k_scaled(int64_t t) { return t == Q4_K || t == Q5_K || t == Q6_K; }
 constexpr int64_t quant_bytes(int64_t t) { return wide(t) ? G * QK : G * QK / 2; }
-// a record of type t, its floats fp16 (H) or float32. Q5_1's float32 record (Q5_K's) would be as long as Q6_K's; 16
-// bytes of padding tell them apart (a packed weight's record type is read from its record size; 2.5 % more bytes)
+// a record of type t, its floats fp16 (H) or float32; the K-quants': d (and dmin) fp16, the integer scales (and
+// minimums) a byte each; Q6_K's 16 bytes of padding keep its size apart from Q5_1's (a packed weight's record type is
+// read from its record size)
 constexpr int64_t record_bytes(int64_t t, bool H) {
-  return quant_bytes(t) + G * (H ? 2 : 4) * (two_floats(t) ? 2 : 1) + (t == Q5_1 && !H ? 16 : 0);
+  if (k_scaled(t)) return quant_bytes(t) + (t == Q6_K ? G * 2 + 2 * G + 16 : 2 * G * 2 + 2 * G);
+  return quant_bytes(t) + G * (H ? 2 : 4) * (two_floats(t) ? 2 : 1);
 }
 // where a record's second floats start (after the quants and the scales)
 constexpr int64_t second_at(int64_t t, bool H) { return quant_bytes(t) + G * (H ? 2 : 4); }
 // Q5_0 (d * (q - 16), q of 5 bits: llama.cpp's Q4_K_M writes it for rows whose width is no multiple of 256) is held
 // in Q8_0's records, its values as bytes beside its own fp16 scale: the same values, 8.5 bits a weight instead of 5.5.
-// Q5_1 (d * q + m, q of 5 bits; Q5_K_M's fallback for such rows) and Q5_K (its K-quant, a scale and a minimum a 32)
-// are held as bytes with their scales and minimums: 9 bits a weight (Q5_1, fp16) and 10.25 (Q5_K, float32, with its
-// padding) instead of 6 and 5.5, the values exactly
-constexpr int64_t record_type(int64_t t) { return t == Q4_K ? Q4_1 : t == Q5_0 ? Q8_0 : t == Q5_K ? Q5_1 : t; }
+// Q5_1 (d * q + m, q of 5 bits; Q5_K_M's fallback for such rows) is held as bytes with its fp16 scale and minimum:
+// 9 bits a weight instead of 6, the values exactly
+constexpr int64_t record_type(int64_t t) { return t == Q5_0 ? Q8_0 : t; }
 constexpr bool half_record(int64_t t) { return t == Q4_0 || t == Q4_1 || t == Q5_0 || t == Q5_1 || t == Q8_0; }  // GGUF's fp16 scales kept
 // GGUF's bytes per block (of 32, or of 256 for the K-quants) and values per block
 constexpr int64_t raw_bytes(int64_t t) {
@@ -91,8 +98,8 @@ struct RecordKind {
 
 // the record kind of a packed weight, from its record size (every kind's size differs)
 RecordKind kind_of_record(int64_t bytes) {
-  for (RecordKind k : {RecordKind{Q4_0, true}, RecordKind{Q4_1, true}, RecordKind{Q8_0, true}, RecordKind{Q4_1, false},
-                       RecordKind{Q6_K, false}, RecordKind{Q5_1, true}, RecordKind{Q5_1, false}})
+  for (RecordKind k : {RecordKind{Q4_0, true}, RecordKind{Q4_1, true}, RecordKind{Q8_0, true}, RecordKind{Q5_1, true},
+                       RecordKind{Q4_K, false}, RecordKind{Q5_K, false}, RecordKind{Q6_K, false}})
     if (record_bytes(k.type, k.half) == bytes) return k;
   TORCH_CHECK(false, "quant: not a packed weight (record of ", bytes, " bytes)");
   return {-1, false};
@@ -119,6 +126,21 @@ inline float float_at(const uint8_t* p, int j) {
 // holding value v % 16 (low nibble: v < 16) in a record of nibbles
 inline int64_t wide_at(int v, int j) { return ((v / 4) * G + j) * 4 + v % 4; }
 inline int64_t nibble_at(int v, int j) { return (((v % 16) / 4) * G + j) * 4 + v % 4; }
+
+// a K-quant record's two floats of row j (its floats start at f): the scale d * sc and the minimum -(dmin * m)
+// (Q4_K, Q5_K: d, dmin fp16 [16] each, then sc, m uint8 [16] each), or the scales d * sc0 and d * sc1 of inputs
+// 0..15 and 16..31 (Q6_K: d fp16 [16], then sc0, sc1 int8 [16] each). Every product is exact in float32.
+template <int64_t T>
+inline void k_floats(const uint8_t* f, int j, float* a, float* b) {
+  const float d = half_to_float(f + 2 * j);
+  if constexpr (T == Q6_K) {
+    *a = d * (float)(int8_t)f[2 * G + j];
+    *b = d * (float)(int8_t)f[3 * G + j];
+  } else {
+    *a = d * (float)f[4 * G + j];
+    *b = -(half_to_float(f + 2 * G + 2 * j) * (float)f[5 * G + j]);
+  }
+}
 
 // ---------------------------------------------------------------- activations
 // One block of 32 of one row, quantised: q (32 int8 as 8 dwords), d, ds = d * float(sum of q), and what the
@@ -290,8 +312,22 @@ inline void tile(const uint8_t* rec, const ActBlock* act, int64_t M, int64_t nb,
         w[4 + t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
       }
     }
-    const __m512 dw = floats16<H>(rb + QB);
-    const __m512 second = two_floats(T) ? floats16<H>(rb + SB) : dw;  // Q4_1's and Q5_1's minimums, Q6_K's second scales
+    __m512 dw, second;  // scales; the minimums (Q4_1, Q5_1, Q4_K, Q5_K) or Q6_K's second scales
+    if constexpr (k_scaled(T)) {
+      const uint8_t* f = rb + QB;
+      const auto bytes16 = [&](int at) {  // 16 integer scales as float32 (int8 for Q6_K, uint8 otherwise)
+        const __m128i v = _mm_loadu_si128((const __m128i*)(f + at));
+        return _mm512_cvtepi32_ps(T == Q6_K ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
+      };
+      const __m512 d = floats16<true>(f);
+      dw = _mm512_mul_ps(d, bytes16(T == Q6_K ? 2 * G : 4 * G));
+      second = T == Q6_K ? _mm512_mul_ps(d, bytes16(3 * G))
+                         : _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(floats16<true>(f + 2 * G), bytes16(5 * G))),
+                                                                _mm512_set1_epi32((int)0x80000000)));
+    } else {
+      dw = floats16<H>(rb + QB);
+      second = two_floats(T) ? floats16<H>(rb + SB) : dw;
+    }
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       // the block's integer dot products, exact: dpbusd multiplies the weight's unsigned bytes by the row's
@@ -372,8 +408,21 @@ inline void tile(const uint8_t* rec, const ActBlock* act, int64_t M, int64_t nb,
         }
     }
     for (int h = 0; h < 2; ++h) {
-      const __m256 dw = floats8<H>(rb + QB, h);
-      const __m256 second = two_floats(T) ? floats8<H>(rb + SB, h) : dw;
+      __m256 dw, second;  // scales; the minimums (Q4_1, Q5_1, Q4_K, Q5_K) or Q6_K's second scales
+      if constexpr (k_scaled(T)) {
+        const uint8_t* f = rb + QB;
+        const auto bytes8 = [&](int at) {  // 8 integer scales as float32 (int8 for Q6_K, uint8 otherwise)
+          const __m128i v = _mm_loadl_epi64((const __m128i*)(f + at + 8 * h));
+          return _mm256_cvtepi32_ps(T == Q6_K ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v));
+        };
+        const __m256 d = floats8<true>(f, h);
+        dw = _mm256_mul_ps(d, bytes8(T == Q6_K ? 2 * G : 4 * G));
+        second = T == Q6_K ? _mm256_mul_ps(d, bytes8(3 * G))
+                           : _mm256_xor_ps(_mm256_mul_ps(floats8<true>(f + 2 * G, h), bytes8(5 * G)), _mm256_set1_ps(-0.0f));
+      } else {
+        dw = floats8<H>(rb + QB, h);
+        second = two_floats(T) ? floats8<H>(rb + SB, h) : dw;
+      }
       for (int r = 0; r < R; ++r) {
         const __m256 dx = _mm256_set1_ps(ab[r].d);
         if constexpr (T == Q6_K) {
@@ -400,8 +449,12 @@ inline void tile(const uint8_t* rec, const ActBlock* act, int64_t M, int64_t nb,
     const ActBlock* ab = act + b * M + r0;
     float dw[G], second[G];  // scales; Q4_1's and Q5_1's minimums, Q6_K's scales of inputs 16..31
     for (int j = 0; j < G; ++j) {
-      dw[j] = float_at<H>(rb + QB, j);
-      second[j] = two_floats(T) ? float_at<H>(rb + SB, j) : dw[j];
+      if constexpr (k_scaled(T)) {
+        k_floats<T>(rb + QB, j, &dw[j], &second[j]);
+      } else {
+        dw[j] = float_at<H>(rb + QB, j);
+        second[j] = two_floats(T) ? float_at<H>(rb + SB, j) : dw[j];
+      }
     }
     for (int r = 0; r < R; ++r) {
       const int8_t* xb = reinterpret_cast<const int8_t*>(ab[r].q);
@@ -476,7 +529,8 @@ void product_impl(const ActBlock* act, int64_t M, int64_t nb, const uint8_t* pac
 struct Decoded {
   int q[QK];
   float a, b;
-  uint16_t half_a, half_b;  // Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: GGUF's fp16 bits of a and b (b's 0 without a minimum)
+  uint16_t half_a, half_b;  // GGUF's fp16 bits of a and b (b's 0 without a minimum); the K-quants': d and dmin
+  uint8_t int_a, int_b;     // the K-quants' integer scale and minimum (Q6_K: its two int8 scales)
 };
 
 // block b (of 32) of a row of GGUF blocks
@@ -523,6 +577,10 @@ Decoded decode(const uint8_t* row, int64_t qtype, int64_t b) {
     const int min = j < 4 ? sc[j + 4] & 63 : (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
     o.a = d * (float)scale;        // exact: an 11-bit mantissa times 6 bits
     o.b = -(dmin * (float)min);    // value = a * q + b = (d * sc) * q - dmin * m, as gguf computes it
+    std::memcpy(&o.half_a, blk, 2);
+    std::memcpy(&o.half_b, blk + 2, 2);
+    o.int_a = (uint8_t)scale;
+    o.int_b = (uint8_t)min;
     const uint8_t* qh = blk + 16;
     const uint8_t* qs = blk + (qtype == Q5_K ? 48 : 16) + 32 * (j / 2);
     for (int v = 0; v < QK; ++v)
@@ -544,6 +602,9 @@ Decoded decode(const uint8_t* row, int64_t qtype, int64_t b) {
   }
   o.a = d * (float)scales[2 * sub];      // exact: 11 bits times 8
   o.b = d * (float)scales[2 * sub + 1];
+  std::memcpy(&o.half_a, blk + 208, 2);
+  o.int_a = (uint8_t)scales[2 * sub];
+  o.int_b = (uint8_t)scales[2 * sub + 1];
   return o;
 }
 
@@ -579,7 +640,17 @@ torch::Tensor pack(torch::Tensor raw, int64_t qtype, int64_t K) {
             continue;
           }
           const Decoded o = decode(src + n * row_bytes, qtype, b);
-          if (H) {
+          if (k_scaled(rt)) {  // d (and dmin) fp16, then the integer scales (and minimums): k_floats' layout
+            std::memcpy(rec + QB + 2 * j, &o.half_a, 2);
+            if (rt == Q6_K) {
+              rec[QB + 2 * G + j] = o.int_a;
+              rec[QB + 3 * G + j] = o.int_b;
+            } else {
+              std::memcpy(rec + QB + 2 * G + 2 * j, &o.half_b, 2);
+              rec[QB + 4 * G + j] = o.int_a;
+              rec[QB + 5 * G + j] = o.int_b;
+            }
+          } else if (H) {
             std::memcpy(rec + QB + 2 * j, &o.half_a, 2);
             if (two_floats(rt)) std::memcpy(rec + SB + 2 * j, &o.half_b, 2);
           } else {
@@ -622,11 +693,16 @@ torch::Tensor dequantize(torch::Tensor packed, int64_t N, c10::optional<torch::T
         const int64_t n = some ? id[i] : i;  // the weight's row that is the output's row i
         const uint8_t* rec = p + ((n / G) * nb + b) * packed.size(2);
         const int j = n % G;
-        const float a = kind.half ? float_at<true>(rec + QB, j) : float_at<false>(rec + QB, j);
-        const float second = !two_floats(rt) ? 0.0f : kind.half ? float_at<true>(rec + SB, j) : float_at<false>(rec + SB, j);
+        float a = 0.0f, second = 0.0f;
+        if (rt == Q4_K || rt == Q5_K) k_floats<Q4_K>(rec + QB, j, &a, &second);
+        else if (rt == Q6_K) k_floats<Q6_K>(rec + QB, j, &a, &second);
+        else {
+          a = kind.half ? float_at<true>(rec + QB, j) : float_at<false>(rec + QB, j);
+          second = !two_floats(rt) ? 0.0f : kind.half ? float_at<true>(rec + SB, j) : float_at<false>(rec + SB, j);
+        }
         float* o = base + i * K + b * QK;
         for (int v = 0; v < QK; ++v) {
-          if (rt == Q5_1) {
+          if (rt == Q5_1 || rt == Q5_K) {
             o[v] = a * (float)(int8_t)(rec[wide_at(v, j)] ^ 0x80) + second;
           } else if (wide(rt)) {
             o[v] = (float)(int8_t)(rec[wide_at(v, j)] ^ 0x80) * (rt == Q6_K && v >= 16 ? second : a);
@@ -700,10 +776,10 @@ torch::Tensor qproduct(torch::Tensor x, torch::Tensor packed, int64_t N, c10::op
   float* yp = y.data_ptr<float>();
   if (rt == Q8_0) product_impl<Q8_0, true>(act.data(), M, nb, wp, N, yp, rp);
   else if (rt == Q4_0) product_impl<Q4_0, true>(act.data(), M, nb, wp, N, yp, rp);
-  else if (rt == Q4_1 && kind.half) product_impl<Q4_1, true>(act.data(), M, nb, wp, N, yp, rp);
-  else if (rt == Q4_1) product_impl<Q4_1, false>(act.data(), M, nb, wp, N, yp, rp);  // packed from Q4_K
-  else if (rt == Q5_1 && kind.half) product_impl<Q5_1, true>(act.data(), M, nb, wp, N, yp, rp);
-  else if (rt == Q5_1) product_impl<Q5_1, false>(act.data(), M, nb, wp, N, yp, rp);  // packed from Q5_K
+  else if (rt == Q4_1) product_impl<Q4_1, true>(act.data(), M, nb, wp, N, yp, rp);
+  else if (rt == Q5_1) product_impl<Q5_1, true>(act.data(), M, nb, wp, N, yp, rp);
+  else if (rt == Q4_K) product_impl<Q4_K, false>(act.data(), M, nb, wp, N, yp, rp);
+  else if (rt == Q5_K) product_impl<Q5_K, false>(act.data(), M, nb, wp, N, yp, rp);
   else product_impl<Q6_K, false>(act.data(), M, nb, wp, N, yp, rp);
   return y;
 }
