@@ -411,36 +411,26 @@ def test_a_files_rope_frequency_factors_scale_its_rope_tables(tmp_path):
     assert not torch.equal(la, lb)  # the scaled tables reach the forward
 
 
-def test_a_narrow_models_q4_k_m_file_runs_as_stored(narrow_pipe, narrow_gguf):
-    """Q5_0 (llama.cpp's fallback for Q4_K rows of widths no multiple of 256) runs on the integer products, held in
-    Q8_0's records: the file as stored, not its float32 conversion, the checkpoint's values, close to the float forward."""
+# (fixture of the file, of its pipeline, the layers' type, the v rows' type)
+FALLBACK_FILES = {"q4_k_m-narrow": ("narrow_gguf", "narrow_pipe", "Q5_0", "Q8_0"),
+                  "q5_k_m-narrow": ("narrow5_gguf", "narrow5_pipe", "Q5_1", "Q8_0"),
+                  "q5_k_m": ("k_quant_gguf", "k_quant_pipe", "Q5_K", "Q6_K")}
+
+
+@pytest.mark.parametrize("which", list(FALLBACK_FILES))
+def test_q4_k_m_and_q5_k_m_files_run_as_stored(which, request):
+    """The types of llama.cpp's Q4_K_M and Q5_K_M beyond Q4_K and Q6_K run on the integer products: Q5_0 (the Q4_K
+    rows' fallback where a width is no multiple of 256) held in Q8_0's records; Q5_K and Q5_1 (its fallback) as bytes
+    beside their scales and minimums. The file as stored, not its float32 conversion; the checkpoint's values (the
+    embedding's rows bit for bit); close to the float forward over them."""
     from dartree.targets.quantized import file_target_reason
 
-    assert file_target_reason(GGUFTensors(narrow_gguf[1])) is None
-    target = narrow_pipe.target
-    assert target.name == "lean-q5_0+q8_0" and isinstance(target.weights, QuantizedWeights)
-    assert [w.qtype for w in target.weights.layers[0].qkv.parts] == ["Q5_0", "Q8_0"]
-    assert target.weights.layers[0].gate_up.qtype == "Q5_0" and target.embed_tokens.weight.qtype == "Q5_0"
-    table = narrow_pipe.target_model.get_input_embeddings().weight
-    assert torch.equal(target.embed_tokens(torch.arange(table.shape[0])), table)
-    float_target = LeanTarget(narrow_pipe.target_model, [])
-    ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
-    (q, _), (f, _) = prefill(target, ids), prefill(float_target, ids)
-    assert not torch.equal(q, f) and (q - f).abs().max() < 0.05 * f.abs().max()
-
-
-@pytest.mark.parametrize("which", ["narrow5", "k_quant"])
-def test_q5_k_m_files_run_as_stored(which, narrow5_pipe, narrow5_gguf, k_quant_pipe, k_quant_gguf):
-    """Q5_K_M's types: Q5_K (and Q5_1, its fallback for rows whose width is no multiple of 256) on the integer
-    products, their values held as bytes beside their scales and minimums: the file as stored, the checkpoint's
-    values (the embedding's rows bit for bit), close to the float forward over them."""
-    from dartree.targets.quantized import file_target_reason
-
-    pipe, path = (narrow5_pipe, narrow5_gguf[1]) if which == "narrow5" else (k_quant_pipe, k_quant_gguf[1])
-    layer_type, v_type = ("Q5_1", "Q8_0") if which == "narrow5" else ("Q5_K", "Q6_K")
+    file_fixture, pipe_fixture, layer_type, v_type = FALLBACK_FILES[which]
+    path, pipe = request.getfixturevalue(file_fixture)[1], request.getfixturevalue(pipe_fixture)
     assert file_target_reason(GGUFTensors(path)) is None
     target = pipe.target
     assert target.name == f"lean-{'+'.join(sorted({layer_type.lower(), v_type.lower(), 'q8_0'}))}"
+    assert isinstance(target.weights, QuantizedWeights)
     assert [w.qtype for w in target.weights.layers[0].qkv.parts] == [layer_type, v_type]
     assert target.weights.layers[0].gate_up.qtype == layer_type and target.embed_tokens.weight.qtype == layer_type
     table = pipe.target_model.get_input_embeddings().weight

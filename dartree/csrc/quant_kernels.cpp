@@ -69,21 +69,20 @@ constexpr bool two_floats(int64_t t) { return has_min(t) || t == Q6_K; }  // a s
 // minimum), multiplied in the kernels (exact in float32: 11 bits times 6 or 8)
 constexpr bool k_scaled(int64_t t) { return t == Q4_K || t == Q5_K || t == Q6_K; }
 constexpr int64_t quant_bytes(int64_t t) { return wide(t) ? G * QK : G * QK / 2; }
-// a record of type t, its floats fp16 (H) or float32; the K-quants': d (and dmin) fp16, the integer scales (and
-// minimums) a byte each; Q6_K's 16 bytes of padding keep its size apart from Q5_1's (a packed weight's record type is
-// read from its record size)
-constexpr int64_t record_bytes(int64_t t, bool H) {
+// a record of type t: its quants, then fp16 floats (the scales, and the minimums or second scales); the K-quants':
+// d (and dmin) fp16, the integer scales (and minimums) a byte each; Q6_K's 16 bytes of padding keep its size apart
+// from Q5_1's (a packed weight's record type is read from its record size)
+constexpr int64_t record_bytes(int64_t t) {
   if (k_scaled(t)) return quant_bytes(t) + (t == Q6_K ? G * 2 + 2 * G + 16 : 2 * G * 2 + 2 * G);
-  return quant_bytes(t) + G * (H ? 2 : 4) * (two_floats(t) ? 2 : 1);
+  return quant_bytes(t) + G * 2 * (two_floats(t) ? 2 : 1);
 }
-// where a record's second floats start (after the quants and the scales)
-constexpr int64_t second_at(int64_t t, bool H) { return quant_bytes(t) + G * (H ? 2 : 4); }
+// where a record's second floats start (after the quants and the scales; not the K-quants': ``k_floats``)
+constexpr int64_t second_at(int64_t t) { return quant_bytes(t) + G * 2; }
 // Q5_0 (d * (q - 16), q of 5 bits: llama.cpp's Q4_K_M writes it for rows whose width is no multiple of 256) is held
 // in Q8_0's records, its values as bytes beside its own fp16 scale: the same values, 8.5 bits a weight instead of 5.5.
 // Q5_1 (d * q + m, q of 5 bits; Q5_K_M's fallback for such rows) is held as bytes with its fp16 scale and minimum:
 // 9 bits a weight instead of 6, the values exactly
 constexpr int64_t record_type(int64_t t) { return t == Q5_0 ? Q8_0 : t; }
-constexpr bool half_record(int64_t t) { return t == Q4_0 || t == Q4_1 || t == Q5_0 || t == Q5_1 || t == Q8_0; }  // GGUF's fp16 scales kept
 // GGUF's bytes per block (of 32, or of 256 for the K-quants) and values per block
 constexpr int64_t raw_bytes(int64_t t) {
   return t == Q8_0 ? 34 : t == Q4_0 ? 18 : t == Q4_1 ? 20 : t == Q5_0 ? 22 : t == Q5_1 ? 24 : t == Q4_K ? 144
@@ -91,18 +90,12 @@ constexpr int64_t raw_bytes(int64_t t) {
 }
 constexpr int64_t raw_values(int64_t t) { return t == Q4_K || t == Q5_K || t == Q6_K ? QKK : QK; }
 
-struct RecordKind {
-  int64_t type;  // Q4_0, Q4_1, Q5_1, Q8_0 or Q6_K
-  bool half;     // fp16 floats
-};
-
-// the record kind of a packed weight, from its record size (every kind's size differs)
-RecordKind kind_of_record(int64_t bytes) {
-  for (RecordKind k : {RecordKind{Q4_0, true}, RecordKind{Q4_1, true}, RecordKind{Q8_0, true}, RecordKind{Q5_1, true},
-                       RecordKind{Q4_K, false}, RecordKind{Q5_K, false}, RecordKind{Q6_K, false}})
-    if (record_bytes(k.type, k.half) == bytes) return k;
+// the record type of a packed weight, from its record size (every type's size differs)
+int64_t type_of_record(int64_t bytes) {
+  for (int64_t t : {Q4_0, Q4_1, Q8_0, Q5_1, Q4_K, Q5_K, Q6_K})
+    if (record_bytes(t) == bytes) return t;
   TORCH_CHECK(false, "quant: not a packed weight (record of ", bytes, " bytes)");
-  return {-1, false};
+  return -1;
 }
 
 inline float half_to_float(const uint8_t* p) {
@@ -111,16 +104,8 @@ inline float half_to_float(const uint8_t* p) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
-// float j (0..15) of a record's float array at p: fp16 (exactly widened) or float32
-template <bool H>
-inline float float_at(const uint8_t* p, int j) {
-  if constexpr (H) return half_to_float(p + 2 * j);
-  else {
-    float f;
-    std::memcpy(&f, p + 4 * j, 4);
-    return f;
-  }
-}
+// float j (0..15) of a record's fp16 float array at p (exactly widened)
+inline float float_at(const uint8_t* p, int j) { return half_to_float(p + 2 * j); }
 
 // the quant byte of value v (0..31) of output row j in a record of byte-a-value quants, and the byte
 // holding value v % 16 (low nibble: v < 16) in a record of nibbles
@@ -260,27 +245,19 @@ inline void store_row(const float* out, float* dst, const float* res, int64_t n)
 }
 
 #if defined(DQ_VNNI)
-// a record's 16 floats at p as float32 (fp16 widened exactly)
-template <bool H>
-inline __m512 floats16(const uint8_t* p) {
-  if constexpr (H) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
-  else return _mm512_loadu_ps((const float*)p);
-}
+// a record's 16 fp16 floats at p as float32 (widened exactly)
+inline __m512 floats16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
 #elif defined(DQ_AVX2)
-// floats 8h..8h+7 of a record's 16 at p as float32 (fp16 widened exactly, F16C)
-template <bool H>
-inline __m256 floats8(const uint8_t* p, int h) {
-  if constexpr (H) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16 * h)));
-  else return _mm256_loadu_ps((const float*)p + 8 * h);
-}
+// fp16 floats 8h..8h+7 of a record's 16 at p as float32 (widened exactly, F16C)
+inline __m256 floats8(const uint8_t* p, int h) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16 * h))); }
 #endif
 
 // R activation rows (from row r0 of M) against one group's records (nb blocks), written to y columns col0..
-template <int64_t T, bool H, int R>
+template <int64_t T, int R>
 inline void tile(const uint8_t* rec, const ActBlock* act, int64_t M, int64_t nb, int64_t r0, float* y, int64_t N,
                  int64_t col0, const float* res) {
   // record bytes, quant bytes, and where the second floats start
-  constexpr int64_t RB = record_bytes(T, H), QB = quant_bytes(T), SB = second_at(T, H);
+  constexpr int64_t RB = record_bytes(T), QB = quant_bytes(T), SB = second_at(T);
   alignas(64) float out[R][G];
 #if DQ_PREFETCH > 0 && (defined(DQ_VNNI) || defined(DQ_AVX2))
   // the first row tile of a group asks for the records DQ_PREFETCH bytes ahead of the block it reads
@@ -319,14 +296,14 @@ inline void tile(const uint8_t* rec, const ActBlock* act, int64_t M, int64_t nb,
         const __m128i v = _mm_loadu_si128((const __m128i*)(f + at));
         return _mm512_cvtepi32_ps(T == Q6_K ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
       };
-      const __m512 d = floats16<true>(f);
+      const __m512 d = floats16(f);
       dw = _mm512_mul_ps(d, bytes16(T == Q6_K ? 2 * G : 4 * G));
       second = T == Q6_K ? _mm512_mul_ps(d, bytes16(3 * G))
-                         : _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(floats16<true>(f + 2 * G), bytes16(5 * G))),
+                         : _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(floats16(f + 2 * G), bytes16(5 * G))),
                                                                 _mm512_set1_epi32((int)0x80000000)));
     } else {
-      dw = floats16<H>(rb + QB);
-      second = two_floats(T) ? floats16<H>(rb + SB) : dw;
+      dw = floats16(rb + QB);
+      second = two_floats(T) ? floats16(rb + SB) : dw;
     }
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
@@ -415,13 +392,13 @@ inline void tile(const uint8_t* rec, const ActBlock* act, int64_t M, int64_t nb,
           const __m128i v = _mm_loadl_epi64((const __m128i*)(f + at + 8 * h));
           return _mm256_cvtepi32_ps(T == Q6_K ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v));
         };
-        const __m256 d = floats8<true>(f, h);
+        const __m256 d = floats8(f, h);
         dw = _mm256_mul_ps(d, bytes8(T == Q6_K ? 2 * G : 4 * G));
         second = T == Q6_K ? _mm256_mul_ps(d, bytes8(3 * G))
-                           : _mm256_xor_ps(_mm256_mul_ps(floats8<true>(f + 2 * G, h), bytes8(5 * G)), _mm256_set1_ps(-0.0f));
+                           : _mm256_xor_ps(_mm256_mul_ps(floats8(f + 2 * G, h), bytes8(5 * G)), _mm256_set1_ps(-0.0f));
       } else {
-        dw = floats8<H>(rb + QB, h);
-        second = two_floats(T) ? floats8<H>(rb + SB, h) : dw;
+        dw = floats8(rb + QB, h);
+        second = two_floats(T) ? floats8(rb + SB, h) : dw;
       }
       for (int r = 0; r < R; ++r) {
         const __m256 dx = _mm256_set1_ps(ab[r].d);
@@ -452,8 +429,8 @@ inline void tile(const uint8_t* rec, const ActBlock* act, int64_t M, int64_t nb,
       if constexpr (k_scaled(T)) {
         k_floats<T>(rb + QB, j, &dw[j], &second[j]);
       } else {
-        dw[j] = float_at<H>(rb + QB, j);
-        second[j] = two_floats(T) ? float_at<H>(rb + SB, j) : dw[j];
+        dw[j] = float_at(rb + QB, j);
+        second[j] = two_floats(T) ? float_at(rb + SB, j) : dw[j];
       }
     }
     for (int r = 0; r < R; ++r) {
@@ -502,18 +479,18 @@ constexpr int ROWS_PER_TILE = 4;
 #endif
 static_assert(ROWS_PER_TILE >= 1 && ROWS_PER_TILE <= 16, "product_impl's tail covers at most 15 rows");
 
-template <int64_t T, bool H>
+template <int64_t T>
 void product_impl(const ActBlock* act, int64_t M, int64_t nb, const uint8_t* packed, int64_t N, float* y,
                   const float* res) {
-  const int64_t groups = (N + G - 1) / G, group_bytes = nb * record_bytes(T, H);
+  const int64_t groups = (N + G - 1) / G, group_bytes = nb * record_bytes(T);
   // threads split the output groups; a group's records (a few KiB) stay in L1 while every row tile reads them
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* rec = packed + g * group_bytes;
       int64_t r = 0;
-      for (; r + ROWS_PER_TILE <= M; r += ROWS_PER_TILE) tile<T, H, ROWS_PER_TILE>(rec, act, M, nb, r, y, N, g * G, res);
+      for (; r + ROWS_PER_TILE <= M; r += ROWS_PER_TILE) tile<T, ROWS_PER_TILE>(rec, act, M, nb, r, y, N, g * G, res);
       switch (M - r) {
-#define DQ_TAIL(n) case n: if constexpr (n < ROWS_PER_TILE) tile<T, H, n>(rec, act, M, nb, r, y, N, g * G, res); break;
+#define DQ_TAIL(n) case n: if constexpr (n < ROWS_PER_TILE) tile<T, n>(rec, act, M, nb, r, y, N, g * G, res); break;
         DQ_TAIL(15) DQ_TAIL(14) DQ_TAIL(13) DQ_TAIL(12) DQ_TAIL(11) DQ_TAIL(10) DQ_TAIL(9) DQ_TAIL(8)
         DQ_TAIL(7) DQ_TAIL(6) DQ_TAIL(5) DQ_TAIL(4) DQ_TAIL(3) DQ_TAIL(2) DQ_TAIL(1)
 #undef DQ_TAIL
@@ -525,11 +502,11 @@ void product_impl(const ActBlock* act, int64_t M, int64_t nb, const uint8_t* pac
 
 // ---------------------------------------------------------------- packing
 // One block of 32 of one output row, decoded from GGUF's bytes: the values as integers (Q4_x: 0..15, Q8_0 and
-// Q6_K: signed; Q5_1 and Q5_K: 0..31) and the record's two floats (scale; minimum, or Q6_K's scale of inputs 16..31).
+// Q6_K: signed; Q5_1 and Q5_K: 0..31) and what the record keeps of its scales: GGUF's fp16 bits, and the K-quants'
+// integer scales (and minimums).
 struct Decoded {
   int q[QK];
-  float a, b;
-  uint16_t half_a, half_b;  // GGUF's fp16 bits of a and b (b's 0 without a minimum); the K-quants': d and dmin
+  uint16_t half_a, half_b;  // GGUF's fp16 scale and minimum (0 without one); the K-quants': d and dmin
   uint8_t int_a, int_b;     // the K-quants' integer scale and minimum (Q6_K: its two int8 scales)
 };
 
@@ -538,8 +515,6 @@ Decoded decode(const uint8_t* row, int64_t qtype, int64_t b) {
   Decoded o{};
   if (qtype == Q8_0 || qtype == Q4_0 || qtype == Q4_1) {
     const uint8_t* blk = row + b * raw_bytes(qtype);
-    o.a = half_to_float(blk);
-    o.b = qtype == Q4_1 ? half_to_float(blk + 2) : 0.0f;
     std::memcpy(&o.half_a, blk, 2);
     if (qtype == Q4_1) std::memcpy(&o.half_b, blk + 2, 2);
     const uint8_t* qs = blk + (qtype == Q4_1 ? 4 : 2);
@@ -550,13 +525,9 @@ Decoded decode(const uint8_t* row, int64_t qtype, int64_t b) {
   if (qtype == Q5_0 || qtype == Q5_1) {
     // d (fp16), Q5_1's m (fp16), 4 bytes of high bits (bit v: value v's fifth bit), 16 bytes of nibbles as Q4_0's
     const uint8_t* blk = row + b * raw_bytes(qtype);
-    o.a = half_to_float(blk);
     std::memcpy(&o.half_a, blk, 2);
     const int64_t at = qtype == Q5_1 ? 4 : 2;  // where the high bits start
-    if (qtype == Q5_1) {
-      o.b = half_to_float(blk + 2);
-      std::memcpy(&o.half_b, blk + 2, 2);
-    }
+    if (qtype == Q5_1) std::memcpy(&o.half_b, blk + 2, 2);
     uint32_t high;
     std::memcpy(&high, blk + at, 4);  // little-endian, as GGUF writes it
     const uint8_t* qs = blk + at + 4;
@@ -570,13 +541,11 @@ Decoded decode(const uint8_t* row, int64_t qtype, int64_t b) {
     // d, dmin (fp16), 12 bytes of 6-bit scales and minimums, (Q5_K: 32 bytes of high bits, bit j of byte i the
     // fifth bit of value i of 32-block j,) 128 bytes of nibbles: 64 values a 32 bytes, the even 32-block in the
     // low nibbles, the odd one in the high nibbles (llama.cpp's get_scale_min_k4)
-    const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
     const uint8_t* sc = blk + 4;
     const int j = sub;
     const int scale = j < 4 ? sc[j] & 63 : (sc[j + 4] & 0x0F) | ((sc[j - 4] >> 6) << 4);
     const int min = j < 4 ? sc[j + 4] & 63 : (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
-    o.a = d * (float)scale;        // exact: an 11-bit mantissa times 6 bits
-    o.b = -(dmin * (float)min);    // value = a * q + b = (d * sc) * q - dmin * m, as gguf computes it
+    // value = (d * sc) * q - dmin * m, as gguf computes it (k_floats)
     std::memcpy(&o.half_a, blk, 2);
     std::memcpy(&o.half_b, blk + 2, 2);
     o.int_a = (uint8_t)scale;
@@ -593,15 +562,12 @@ Decoded decode(const uint8_t* row, int64_t qtype, int64_t b) {
   const uint8_t* ql = blk;
   const uint8_t* qh = blk + 128;
   const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
-  const float d = half_to_float(blk + 208);
   const int h = sub / 4, l = sub % 4;
   for (int i = 0; i < QK; ++i) {
     const uint8_t lb = ql[64 * h + 32 * (l % 2) + i];
     const int lo = l < 2 ? lb & 0x0F : lb >> 4;
     o.q[i] = (lo | (((qh[32 * h + i] >> (2 * l)) & 3) << 4)) - 32;
   }
-  o.a = d * (float)scales[2 * sub];      // exact: 11 bits times 8
-  o.b = d * (float)scales[2 * sub + 1];
   std::memcpy(&o.half_a, blk + 208, 2);
   o.int_a = (uint8_t)scales[2 * sub];
   o.int_b = (uint8_t)scales[2 * sub + 1];
@@ -620,8 +586,7 @@ torch::Tensor pack(torch::Tensor raw, int64_t qtype, int64_t K) {
   TORCH_CHECK(K > 0 && K % raw_values(qtype) == 0, "quant.pack: K must be a positive multiple of ", raw_values(qtype));
   TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == torch::kUInt8 && raw.is_contiguous(), "quant.pack: contiguous uint8 [N, bytes]");
   const int64_t rt = record_type(qtype), N = raw.size(0), nb = K / QK;
-  const bool H = half_record(qtype);
-  const int64_t RB = record_bytes(rt, H), QB = quant_bytes(rt), SB = second_at(rt, H);
+  const int64_t RB = record_bytes(rt), QB = quant_bytes(rt), SB = second_at(rt);
   const int64_t row_bytes = K / raw_values(qtype) * raw_bytes(qtype);
   TORCH_CHECK(raw.size(1) == row_bytes, "quant.pack: ", raw.size(1), " bytes a row, expected ", row_bytes);
   const int64_t groups = (N + G - 1) / G;
@@ -650,12 +615,9 @@ torch::Tensor pack(torch::Tensor raw, int64_t qtype, int64_t K) {
               rec[QB + 4 * G + j] = o.int_a;
               rec[QB + 5 * G + j] = o.int_b;
             }
-          } else if (H) {
+          } else {  // GGUF's own fp16 scale (and minimum)
             std::memcpy(rec + QB + 2 * j, &o.half_a, 2);
             if (two_floats(rt)) std::memcpy(rec + SB + 2 * j, &o.half_b, 2);
-          } else {
-            std::memcpy(rec + QB + 4 * j, &o.a, 4);
-            if (two_floats(rt)) std::memcpy(rec + SB + 4 * j, &o.b, 4);
           }
           for (int v = 0; v < QK; ++v) {
             if (wide(rt)) rec[wide_at(v, j)] = (uint8_t)(o.q[v] + 128);
@@ -673,8 +635,7 @@ torch::Tensor pack(torch::Tensor raw, int64_t qtype, int64_t K) {
 // that a tied output layer multiplies by, so that the table is held once.
 torch::Tensor dequantize(torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> rows) {
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(), "quant.dequantize: a packed weight");
-  const RecordKind kind = kind_of_record(packed.size(2));
-  const int64_t rt = kind.type, nb = packed.size(1), K = nb * QK, QB = quant_bytes(rt), SB = second_at(rt, kind.half);
+  const int64_t rt = type_of_record(packed.size(2)), nb = packed.size(1), K = nb * QK, QB = quant_bytes(rt), SB = second_at(rt);
   TORCH_CHECK(N <= packed.size(0) * G && N > (packed.size(0) - 1) * G, "quant.dequantize: n does not match the packed rows");
   const bool some = rows.has_value() && rows->defined();
   torch::Tensor ids = some ? rows->contiguous() : torch::Tensor();
@@ -697,8 +658,8 @@ torch::Tensor dequantize(torch::Tensor packed, int64_t N, c10::optional<torch::T
         if (rt == Q4_K || rt == Q5_K) k_floats<Q4_K>(rec + QB, j, &a, &second);
         else if (rt == Q6_K) k_floats<Q6_K>(rec + QB, j, &a, &second);
         else {
-          a = kind.half ? float_at<true>(rec + QB, j) : float_at<false>(rec + QB, j);
-          second = !two_floats(rt) ? 0.0f : kind.half ? float_at<true>(rec + SB, j) : float_at<false>(rec + SB, j);
+          a = float_at(rec + QB, j);
+          second = two_floats(rt) ? float_at(rec + SB, j) : 0.0f;
         }
         float* o = base + i * K + b * QK;
         for (int v = 0; v < QK; ++v) {
@@ -739,8 +700,7 @@ std::vector<torch::Tensor> quantize_rows(torch::Tensor x) {
 torch::Tensor qproduct(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> residual) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "qproduct: contiguous float32 x [M, K]");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(), "qproduct: a packed weight");
-  const RecordKind kind = kind_of_record(packed.size(2));
-  const int64_t rt = kind.type, M = x.size(0), K = x.size(1), nb = packed.size(1);
+  const int64_t rt = type_of_record(packed.size(2)), M = x.size(0), K = x.size(1), nb = packed.size(1);
   TORCH_CHECK(K == nb * QK, "qproduct: x has ", K, " columns, the weight ", nb * QK);
   TORCH_CHECK(N <= packed.size(0) * G && N > (packed.size(0) - 1) * G, "qproduct: n does not match the packed rows");
   const bool has_res = residual.has_value() && residual->defined();
@@ -774,13 +734,13 @@ torch::Tensor qproduct(torch::Tensor x, torch::Tensor packed, int64_t N, c10::op
   const float* rp = has_res ? residual->data_ptr<float>() : nullptr;
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  if (rt == Q8_0) product_impl<Q8_0, true>(act.data(), M, nb, wp, N, yp, rp);
-  else if (rt == Q4_0) product_impl<Q4_0, true>(act.data(), M, nb, wp, N, yp, rp);
-  else if (rt == Q4_1) product_impl<Q4_1, true>(act.data(), M, nb, wp, N, yp, rp);
-  else if (rt == Q5_1) product_impl<Q5_1, true>(act.data(), M, nb, wp, N, yp, rp);
-  else if (rt == Q4_K) product_impl<Q4_K, false>(act.data(), M, nb, wp, N, yp, rp);
-  else if (rt == Q5_K) product_impl<Q5_K, false>(act.data(), M, nb, wp, N, yp, rp);
-  else product_impl<Q6_K, false>(act.data(), M, nb, wp, N, yp, rp);
+  if (rt == Q8_0) product_impl<Q8_0>(act.data(), M, nb, wp, N, yp, rp);
+  else if (rt == Q4_0) product_impl<Q4_0>(act.data(), M, nb, wp, N, yp, rp);
+  else if (rt == Q4_1) product_impl<Q4_1>(act.data(), M, nb, wp, N, yp, rp);
+  else if (rt == Q5_1) product_impl<Q5_1>(act.data(), M, nb, wp, N, yp, rp);
+  else if (rt == Q4_K) product_impl<Q4_K>(act.data(), M, nb, wp, N, yp, rp);
+  else if (rt == Q5_K) product_impl<Q5_K>(act.data(), M, nb, wp, N, yp, rp);
+  else product_impl<Q6_K>(act.data(), M, nb, wp, N, yp, rp);
   return y;
 }
 

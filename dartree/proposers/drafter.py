@@ -119,10 +119,10 @@ def draft_batch(proposers: list[DraftProposer], bonuses: list[int], tapped_state
         for p in proposers:  # (their context K/V, from the old weights, stays until a reset: a new prompt)
             p.lean = lean
         embeds = model.block_embeddings(first.embed_tokens, torch.tensor(bonuses, device=device), q)
-        hidden = lean_draft_forward(first.lean, [p.store for p in proposers], embeds, tapped_states, starts)
+        hidden = lean_draft_forward(lean, [p.store for p in proposers], embeds, tapped_states, starts)
         if not cfg.shift_label:
             hidden = hidden[:, 1:]  # block position 0 only restates the bonus token
-        logits = lean_logits(first.lean, hidden)
+        logits = lean_logits(lean, hidden)
         return [DraftOutput(bonus=bonus, hidden=hidden[i], base_logits=logits[i], d2t=model.d2t)
                 for i, bonus in enumerate(bonuses)]
     block_pos = torch.stack([s + torch.arange(q, device=device) for s in starts])
