@@ -245,3 +245,81 @@ def test_float32_row_products_are_the_in_order_sum_bit_for_bit(rows, inner, cols
         expected = expected + x.numpy()[:, i:i + 1] * wt.numpy()[i:i + 1, :]
     grow_kernel.load().rows_times_f32(x, wt, y, accumulate)
     assert numpy.array_equal(y.numpy().view(numpy.int32), expected.view(numpy.int32))
+
+
+@pytest.mark.parametrize("rows, inner, cols", [(12, 256, 768), (1, 64, 8192), (7, 256, 800)])
+def test_float32_products_split_over_threads_are_the_in_order_sum(rows, inner, cols):
+    """Above ``SPLIT_MACS`` a product called outside a parallel region (one request's tree alone: the GRU's
+    hidden product 12 x 256 x 768, the chain's output rows 64 x 8192) splits its columns over two threads;
+    each output is still the sum over i in order, bit for bit, and the last columns (800 is no multiple of a
+    tile) are summed as before."""
+    import numpy
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        gen = torch.Generator().manual_seed(rows * inner + cols)
+        x = torch.randn(rows, inner, generator=gen)
+        wt = torch.randn(inner, cols, generator=gen)
+        y = torch.empty(rows, cols)
+        expected = numpy.zeros((rows, cols), dtype=numpy.float32)
+        for i in range(inner):
+            expected = expected + x.numpy()[:, i:i + 1] * wt.numpy()[i:i + 1, :]
+        grow_kernel.load().rows_times_f32(x, wt, y, False)
+        assert numpy.array_equal(y.numpy().view(numpy.int32), expected.view(numpy.int32))
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_a_tree_alone_on_both_threads_is_its_tree_in_a_batch_at_the_shipped_heads_shapes():
+    """The shipped Domino head's sizes (GRU state 256, rank 64, 16 depths, K = 64, W = 12, B = 64) in float32:
+    a request's tree grown alone (its products split over the threads) is its tree grown beside others (each
+    request on one thread), node for node and bit for bit."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        gen = torch.Generator().manual_seed(3)
+        vocab, draft_vocab, hidden = 300, 200, 48
+        head = DominoHead(hidden, 256, 64, draft_vocab, 1)
+        with torch.no_grad():
+            for p in head.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+        picks = torch.randperm(vocab, generator=gen)[:draft_vocab].sort().values
+        d2t = picks - torch.arange(draft_vocab)
+        head.bind(nn.Embedding.from_pretrained(torch.randn(vocab, hidden, generator=gen)), d2t)
+        drafts = [DraftOutput(bonus=int(picks[i]), hidden=torch.randn(16, hidden, generator=gen),
+                              base_logits=torch.randn(16, draft_vocab, generator=gen) * 3, d2t=d2t) for i in range(3)]
+        together = grow_kernel.grow_supertrees(drafts, head, 64, 12, [64] * 3, 0.0)
+        for draft, got in zip(drafts, together):
+            alone = grow_kernel.grow_supertree(draft, head, 64, 12, 64, 0.0)
+            assert len(alone[0]) >= 64  # the supertree, before its cut to the best B
+            for a, b in zip(got, alone):
+                assert torch.equal(a, b)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@settings(max_examples=60, deadline=None)
+@given(depths=st.integers(1, 6), vocab=st.integers(1, 300), k=st.integers(1, 80), rank=st.integers(0, 9),
+       dtype=st.sampled_from([torch.float32, torch.float64]), coarse=st.booleans(), nans=st.booleans(), seed=st.integers(0, 10_000))
+def test_candidates_are_the_top_k_in_order_with_their_logits_and_output_rows(depths, vocab, k, rank, dtype, coarse, nans, seed):
+    """The compiled candidates: each depth's top k base logits, best first, equal logits by the smaller draft id and
+    NaN above every number (a stable descending sort's first k), their logits and the head's output rows of them
+    transposed; where no logit ties, exactly torch.topk's candidates (candidate_tables, the Python growers')."""
+    gen = torch.Generator().manual_seed(seed)
+    k = min(k, vocab)
+    base = torch.randn(depths, vocab, generator=gen, dtype=dtype)
+    if coarse:  # many ties, at the K-th logit too
+        base = (base * 2).round()
+    if nans:
+        base[torch.rand(depths, vocab, generator=gen) < 0.05] = float("nan")
+    out_rows = torch.randn(vocab, rank, generator=gen, dtype=dtype) if rank else base.new_zeros(0)
+    tokens, values, rows_t = grow_kernel.load().candidates(base, out_rows, k)
+    expected = torch.sort(base, dim=-1, descending=True, stable=True).indices[:, :k]
+    assert torch.equal(tokens, expected)
+    assert torch.equal(values.view(-1).view(torch.uint8), base.gather(1, expected).reshape(-1).view(torch.uint8))  # bits: NaN too
+    if rank:
+        assert torch.equal(rows_t, out_rows[expected].transpose(1, 2))
+    else:
+        assert rows_t.numel() == 0
+    if not coarse and not nans:
+        assert torch.equal(tokens, base.topk(k, dim=-1).indices)

@@ -22,7 +22,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -74,13 +76,14 @@ struct Lanes {
 };
 #endif
 
-inline void rows_times(const float* x, int64_t F, int64_t I, const float* wt, int64_t J, float* y, bool accumulate) {
+// Columns j0..j1 (whole tiles of 2N) of the product.
+inline void rows_times_tiles(const float* x, int64_t F, int64_t I, const float* wt, int64_t J, float* y, bool accumulate,
+                             int64_t j_begin, int64_t j_end) {
   using L = Lanes;
   constexpr int FB = L::FB, N = L::N;
-  const int64_t JT = J / (2 * N) * (2 * N);
   for (int64_t f0 = 0; f0 < F; f0 += FB) {
     const int nf = (int)std::min<int64_t>(FB, F - f0);
-    for (int64_t j0 = 0; j0 < JT; j0 += 2 * N) {
+    for (int64_t j0 = j_begin; j0 < j_end; j0 += 2 * N) {
       L::V acc[FB][2];
 #pragma GCC unroll 12
       for (int f = 0; f < FB; ++f) {
@@ -110,6 +113,25 @@ inline void rows_times(const float* x, int64_t F, int64_t I, const float* wt, in
         }
       }
     }
+  }
+}
+
+// Above this many multiply-adds a product called outside a parallel region (one request's tree, grown alone)
+// splits its column tiles over the threads: each output is still one thread's sum over i in order, so the
+// bits are those of the one-thread product. Below it a parallel region costs more than it saves. Measured
+// on an AMD EPYC Zen 4 (2 threads, the shipped Domino head, K = 64, W = 12, up to 64 nodes): see
+// docs/results/zen4/README.md ("The tree grower on both threads").
+constexpr int64_t SPLIT_MACS = 1 << 19;
+
+inline void rows_times(const float* x, int64_t F, int64_t I, const float* wt, int64_t J, float* y, bool accumulate) {
+  constexpr int64_t TILE = 2 * Lanes::N;
+  const int64_t JT = J / TILE * TILE;
+  if (F * I * J >= SPLIT_MACS && JT >= 2 * TILE && !at::in_parallel_region() && at::get_num_threads() > 1) {
+    at::parallel_for(0, JT / TILE, 1, [&](int64_t t0, int64_t t1) {
+      rows_times_tiles(x, F, I, wt, J, y, accumulate, t0 * TILE, t1 * TILE);
+    });
+  } else {
+    rows_times_tiles(x, F, I, wt, J, y, accumulate, 0, JT);
   }
   if (JT == J) return;
   for (int64_t f = 0; f < F; ++f) {  // the last columns as rows_times does them
@@ -278,6 +300,98 @@ std::vector<torch::Tensor> grow_impl(const Grower<T>& g, const T* root, int64_t 
   return {tok, par, dep, sc};
 }
 
+// The top k of v [V]: the larger value first, equal values by the smaller index, NaN above every number (as
+// torch.topk ranks it), into ids [k], best first. First a floor under the k-th best number: the smallest of k
+// chunks' maxima (NaN passed over; each chunk holds a number at least that large, so k values are), then the
+// values not below it and the NaNs (a few times k on a drafter's logits) are ranked. Two passes over v, vectors
+// where there are, instead of a sort or a heap fed most of the row.
+template <typename T>
+void top_k_ids(const T* v, int64_t V, int64_t k, int64_t* ids, std::vector<int64_t>& kept) {
+  const T inf = std::numeric_limits<T>::infinity();
+  T floor_value = inf;
+  for (int64_t c = 0; c < k; ++c) {
+    const int64_t a = c * V / k, b = (c + 1) * V / k;
+    T top = -inf;
+    int64_t i = a;
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, float>) {
+      if (b - a >= 16) {
+        __m512 m = _mm512_set1_ps(-inf);
+        for (; i + 16 <= b; i += 16) m = _mm512_max_ps(_mm512_loadu_ps(v + i), m);  // a NaN in v gives m
+        top = _mm512_reduce_max_ps(m);
+      }
+    }
+#endif
+    for (; i < b; ++i) top = v[i] > top ? v[i] : top;
+    floor_value = std::min(floor_value, top);
+  }
+  kept.clear();
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    const __m512 f = _mm512_set1_ps(floor_value);
+    for (; i + 16 <= V; i += 16)  // not (value < floor): at or above it, or NaN
+      for (__mmask16 m = _mm512_cmp_ps_mask(_mm512_loadu_ps(v + i), f, _CMP_NLT_UQ); m; m &= m - 1)
+        kept.push_back(i + __builtin_ctz(m));
+  }
+#elif defined(__AVX2__)
+  if constexpr (std::is_same_v<T, float>) {
+    const __m256 f = _mm256_set1_ps(floor_value);
+    for (; i + 8 <= V; i += 8)
+      for (int m = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(v + i), f, _CMP_NLT_UQ)); m; m &= m - 1)
+        kept.push_back(i + __builtin_ctz(m));
+  }
+#endif
+  for (; i < V; ++i)
+    if (!(v[i] < floor_value)) kept.push_back(i);
+  const auto better = [v](int64_t a, int64_t b) {
+    const bool na = std::isnan(v[a]), nb = std::isnan(v[b]);
+    if (na || nb) return na && (!nb || a < b);
+    return v[a] > v[b] || (v[a] == v[b] && a < b);
+  };
+  std::partial_sort(kept.begin(), kept.begin() + k, kept.end(), better);
+  std::copy(kept.begin(), kept.begin() + k, ids);
+}
+
+// What grow_supertrees takes of one request's draft, in one call: each depth's k candidates (the top k base
+// logits, ``top_k_ids``: trees/common.py ``candidate_tables``, whose torch.topk leaves equal logits' order
+// open), their base logits, and the head's output rows of them transposed (none where out_rows is empty).
+// base [D, V]; out_rows [V, R] -> cand_tokens [D, k] int64, cand_base [D, k], out_rows_t [D, R, k]. The depths
+// split over the threads.
+std::vector<torch::Tensor> candidates(torch::Tensor base, torch::Tensor out_rows, int64_t k) {
+  TORCH_CHECK(base.dim() == 2 && base.is_contiguous() && (base.scalar_type() == torch::kFloat || base.scalar_type() == torch::kDouble),
+              "candidates: base [D, V] contiguous float32 or float64");
+  const int64_t D = base.size(0), V = base.size(1);
+  TORCH_CHECK(k >= 1 && k <= V, "candidates: 1 <= k <= V");
+  const bool rows = out_rows.numel() > 0;
+  TORCH_CHECK(!rows || (out_rows.dim() == 2 && out_rows.size(0) == V && out_rows.is_contiguous() &&
+                        out_rows.scalar_type() == base.scalar_type()), "candidates: out_rows [V, R], contiguous, base's dtype");
+  const int64_t R = rows ? out_rows.size(1) : 0;
+  auto tokens = torch::empty({D, k}, torch::TensorOptions().dtype(torch::kInt64));
+  auto values = torch::empty({D, k}, base.options());
+  auto rows_t = torch::empty({rows ? D : 0, R, k}, base.options());
+  AT_DISPATCH_FLOATING_TYPES(base.scalar_type(), "candidates", [&] {
+    using T = scalar_t;
+    at::parallel_for(0, D, 1, [&](int64_t d0, int64_t d1) {
+      std::vector<int64_t> kept;
+      for (int64_t d = d0; d < d1; ++d) {
+        const T* v = base.data_ptr<T>() + d * V;
+        int64_t* ids = tokens.data_ptr<int64_t>() + d * k;
+        top_k_ids(v, V, k, ids, kept);
+        T* val = values.data_ptr<T>() + d * k;
+        for (int64_t j = 0; j < k; ++j) val[j] = v[ids[j]];
+        if (!rows) continue;
+        T* rt = rows_t.data_ptr<T>() + d * R * k;
+        for (int64_t j = 0; j < k; ++j) {
+          const T* w = out_rows.data_ptr<T>() + ids[j] * R;
+          for (int64_t r = 0; r < R; ++r) rt[r * k + j] = w[r];
+        }
+      }
+    });
+  });
+  return {tokens, values, rows_t};
+}
+
 // One request's arguments checked.
 void check_grow(const torch::Tensor& cand_tokens, const torch::Tensor& cand_base, int64_t head, const torch::Tensor& out_rows_t,
                 const torch::Tensor& table, const torch::Tensor& hidden_proj, const torch::Tensor& w_state_t,
@@ -374,8 +488,9 @@ std::vector<torch::Tensor> corrected_chain(torch::Tensor base, int64_t head, tor
 
 // Requests' supertrees (one head, its tables shared; each request its own candidates, logits, hidden
 // projection, root state and budget), the requests split over the threads. Each tree is computed by the
-// same code on one thread, whatever the count (one request included: the only entry point), so a
-// request's tree is the same, node for node and bit for bit, however many share the call.
+// same code whatever the count (one request included: the only entry point), so a request's tree is the
+// same, node for node and bit for bit, however many share the call; a request alone has the threads to
+// itself, and its larger products split their columns over them (``rows_times``: the same bits).
 std::vector<std::vector<torch::Tensor>> grow_supertrees(std::vector<torch::Tensor> cand_tokens, std::vector<torch::Tensor> cand_base,
                                                         int64_t head, std::vector<torch::Tensor> out_rows_t, torch::Tensor table,
                                                         std::vector<torch::Tensor> hidden_proj, torch::Tensor w_state_t,
@@ -389,13 +504,18 @@ std::vector<std::vector<torch::Tensor>> grow_supertrees(std::vector<torch::Tenso
   std::vector<std::vector<torch::Tensor>> out(B);
   if (B == 0) return out;
   AT_DISPATCH_FLOATING_TYPES(cand_base[0].scalar_type(), "grow_supertrees", [&] {
-    at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b) {
-        auto g = grower<scalar_t>(cand_tokens[b], cand_base[b], head, out_rows_t[b], table, hidden_proj[b], w_state_t, w_hh_t,
-                                  roots[b], uncorrected);
-        out[b] = grow_impl<scalar_t>(g, roots[b].data_ptr<scalar_t>(), width, budgets[b], beta);
-      }
-    });
+    const auto grow_one = [&](int64_t b) {
+      auto g = grower<scalar_t>(cand_tokens[b], cand_base[b], head, out_rows_t[b], table, hidden_proj[b], w_state_t, w_hh_t,
+                                roots[b], uncorrected);
+      out[b] = grow_impl<scalar_t>(g, roots[b].data_ptr<scalar_t>(), width, budgets[b], beta);
+    };
+    if (B == 1) {  // not through parallel_for: inside it (even over one item) a product could not split
+      grow_one(0);
+    } else {
+      at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+        for (int64_t b = b0; b < b1; ++b) grow_one(b);
+      });
+    }
   });
   return out;
 }
@@ -468,6 +588,8 @@ void rows_times_f32(torch::Tensor x, torch::Tensor wt, torch::Tensor y, bool acc
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rows_times_f32", &rows_times_f32, "the head's float32 row products (for the tests)");
+  m.def("candidates", &candidates, "each depth's top-k candidates, their base logits and the head's output rows of "
+        "them transposed: what grow_supertrees takes of a request's draft");
   m.def("grow_supertrees", &grow_supertrees, "requests' DARTree supertrees, grown depth by depth with the head's "
         "corrections, in one call with the requests over the threads",
         py::call_guard<py::gil_scoped_release>());

@@ -22,7 +22,6 @@ import torch
 from .. import kernels
 from ..heads import DominoHead, MarkovHead
 from . import common
-from .common import candidate_tables
 from .tree import DraftTree
 
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "tree_kernels.cpp"
@@ -112,10 +111,10 @@ def head_tables(head) -> HeadTables | None:
 def _inputs(draft, head, tables: HeadTables, tree_top_k: int) -> tuple[torch.Tensor, ...]:
     """One request's part of the call: its candidates [D, K], their base logits [D, K], their output
     rows transposed [D, R, K], its hidden projection (Domino) and its root state."""
-    base = draft.base_logits
-    cands = candidate_tables(draft, tree_top_k).contiguous()
-    cand_base = base.gather(1, cands).contiguous()
-    out_rows_t = tables.out_rows[cands].transpose(1, 2).contiguous()
+    base = draft.base_logits.contiguous()
+    # candidate_tables' top-K, their base logits and output rows in one call (the same candidates, in the same
+    # order wherever the K-th logit is not tied: then torch.topk leaves open which of the tied come in)
+    cands, cand_base, out_rows_t = load().candidates(base, tables.out_rows, min(tree_top_k, base.shape[-1]))
     hidden_proj = head.start_round(draft.hidden, base).hidden_proj.contiguous() if tables.kind == DOMINO else base.new_zeros(0)
     return cands, cand_base, out_rows_t, hidden_proj, _root(head, tables, draft.bonus)
 
