@@ -60,6 +60,9 @@ class HeadTables:
     draft_id: torch.Tensor   # Domino: each target token's draft id (-1: not in the draft vocabulary)
     out_rows_t: torch.Tensor  # [R, V_d] the output rows transposed, for the chain over the whole vocabulary
 
+    def __post_init__(self):
+        self.draft_rows = self.draft_id.numpy()  # the same ids, read by a Python int without a tensor operation
+
 
 def _version(head) -> tuple:
     """What the tables are made of: each parameter (replaced or changed in place) and the bound
@@ -123,12 +126,11 @@ def _root(head, tables: HeadTables, bonus: int) -> torch.Tensor:
     """The head's state after the bonus token (``head.initial_state``). Domino's step from the zero state
     needs the bonus's input projection, already a row of the token table where the bonus is a draft token:
     the row read instead of a product with the GRU's input weights (a third of a millisecond a round on a
-    CPU, those weights cold after the target's forward). The same values up to the order of that product's
-    sums (the compiled and the Python growers' trees agree node for node: tests/test_tree_kernels.py)."""
-    if tables.kind == DOMINO and 0 <= bonus < tables.draft_id.numel() and int(tables.draft_id[bonus]) >= 0:
-        gi = tables.table[int(tables.draft_id[bonus])]
-        size = gi.numel() // 3  # gate order (r, z, n); from the zero state r does not enter
-        return ((1 - torch.sigmoid(gi[size:2 * size])) * torch.tanh(gi[2 * size:])).contiguous()
+    CPU, those weights cold after the target's forward), and the step made in one compiled call. The same
+    values up to rounding (the compiled and the Python growers' trees agree node for node:
+    tests/test_tree_kernels.py)."""
+    if tables.kind == DOMINO and 0 <= bonus < len(tables.draft_rows) and tables.draft_rows[bonus] >= 0:
+        return load().domino_root(tables.table, int(tables.draft_rows[bonus]))
     return head.initial_state(bonus)[0].contiguous()
 
 
