@@ -5,11 +5,12 @@ tree's tables and the framework's own code out of the caches).
     .venv/bin/python scripts/tree_build_ab.py [--threads 2] [--repeats 40]
 
 ``before``: each depth's top-K by ``torch.topk``, the candidates' logits and output rows gathered and transposed by
-tensor operations, Domino's root state by tensor operations on the bonus's token-table row, and the grower alone
-on one thread (as a lone request's tree was grown). ``after``: ``grow_kernel._inputs`` as it is (``candidates``
-and ``domino_root``, one compiled call each) and the grower with the head's larger products split over the
-threads. Both grow the same supertree from the same draft (asserted, node for node) and cut it to the same
-top-B. The draft is the shipped drafter's after a context of about 200 tokens of the bundled model's own greedy answer, cut
+tensor operations, Domino's hidden projection by ``DominoHead.start_round`` and its root state by tensor operations
+on the bonus's token-table row, and the grower alone on one thread (as a lone request's tree was grown). ``after``:
+``grow_kernel._inputs`` as it is (``candidates``, ``hidden_projection`` and ``domino_root``, one compiled call each)
+and the grower with the head's larger products split over the threads. Both grow the same supertree from the same
+draft (asserted, node for node: the hidden projections differ only in the order of their sums) and cut it to the
+same top-B. The draft is the shipped drafter's after a context of about 200 tokens of the bundled model's own greedy answer, cut
 where the bonus token is in the draft vocabulary (most are).
 Medians; configurations take turns call by call.
 """

@@ -323,3 +323,20 @@ def test_candidates_are_the_top_k_in_order_with_their_logits_and_output_rows(dep
         assert rows_t.numel() == 0
     if not coarse and not nans:
         assert torch.equal(tokens, base.topk(k, dim=-1).indices)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_compiled_hidden_projection_is_the_heads_start_round(dtype):
+    """The grower's own W_z z_d (every depth's hidden projection, one compiled call) is DominoHead.start_round's up
+    to the order of the sums, and the same bits on every call."""
+    head, d2t = make_head("domino", 5, 61, 1)
+    head = head.to(dtype)
+    head.bind(nn.Embedding.from_pretrained(head._embed.weight.to(dtype)), d2t)
+    tables = grow_kernel.head_tables(head)
+    draft = make_draft(4, 7, 61, d2t)
+    hidden = draft.hidden.to(dtype)
+    got = grow_kernel.load().hidden_projection(hidden.contiguous(), tables.w_z_t)
+    expected = head.start_round(hidden, draft.base_logits.to(dtype)).hidden_proj
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
+    assert torch.equal(got, grow_kernel.load().hidden_projection(hidden.contiguous(), tables.w_z_t))

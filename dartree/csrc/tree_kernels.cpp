@@ -392,6 +392,20 @@ std::vector<torch::Tensor> candidates(torch::Tensor base, torch::Tensor out_rows
   return {tokens, values, rows_t};
 }
 
+// Domino's hidden projection of a request's drafter states: hidden [D, H] @ w_z_t [H, R] -> [D, R] (W_z z_d of every
+// depth, ``DominoHead.start_round``'s), by ``rows_times``: the sum over H in order, the same bits every call.
+torch::Tensor hidden_projection(torch::Tensor hidden, torch::Tensor w_z_t) {
+  TORCH_CHECK(hidden.dim() == 2 && w_z_t.dim() == 2 && hidden.size(1) == w_z_t.size(0) && hidden.is_contiguous() &&
+              w_z_t.is_contiguous() && hidden.scalar_type() == w_z_t.scalar_type(),
+              "hidden_projection: hidden [D, H], w_z_t [H, R], contiguous, one dtype");
+  auto out = torch::empty({hidden.size(0), w_z_t.size(1)}, hidden.options());
+  AT_DISPATCH_FLOATING_TYPES(hidden.scalar_type(), "hidden_projection", [&] {
+    rows_times(hidden.data_ptr<scalar_t>(), hidden.size(0), hidden.size(1), w_z_t.data_ptr<scalar_t>(), w_z_t.size(1),
+               out.data_ptr<scalar_t>(), false);
+  });
+  return out;
+}
+
 // Domino's root state from the bonus token's row of the token table (draft id ``row``): the GRU's step from the
 // zero state, whose hidden projection is zero, so r does not enter: (1 - sigmoid(i_z)) * tanh(i_n). One call
 // instead of half a dozen tensor operations from Python (a third of a millisecond a round, cold after a target
@@ -607,6 +621,7 @@ void rows_times_f32(torch::Tensor x, torch::Tensor wt, torch::Tensor y, bool acc
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rows_times_f32", &rows_times_f32, "the head's float32 row products (for the tests)");
+  m.def("hidden_projection", &hidden_projection, "Domino's hidden projection W_z z_d of a request's drafter states");
   m.def("domino_root", &domino_root, "Domino's root state from the bonus token's row of the token table");
   m.def("candidates", &candidates, "each depth's top-k candidates, their base logits and the head's output rows of "
         "them transposed: what grow_supertrees takes of a request's draft");

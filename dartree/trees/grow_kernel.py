@@ -59,6 +59,7 @@ class HeadTables:
     uncorrected: int
     draft_id: torch.Tensor   # Domino: each target token's draft id (-1: not in the draft vocabulary)
     out_rows_t: torch.Tensor  # [R, V_d] the output rows transposed, for the chain over the whole vocabulary
+    w_z_t: torch.Tensor = None  # Domino: W_z transposed [H, R] (the hidden projection's weights; empty for Markov)
 
     def __post_init__(self):
         self.draft_rows = self.draft_id.numpy()  # the same ids, read by a Python int without a tensor operation
@@ -101,12 +102,13 @@ def head_tables(head) -> HeadTables | None:
         tables = HeadTables(DOMINO, table.contiguous(), w2.detach().contiguous(),
                             head.embed_proj[0].weight[:, head.hidden_size:].detach().T.contiguous(),
                             head.prefix_gru.weight_hh_l0.detach().T.contiguous(), head.uncorrected_depths, draft_id,
-                            w2.detach().T.contiguous())
+                            w2.detach().T.contiguous(), head.embed_proj[0].weight[:, :head.hidden_size].detach().T.contiguous())
     else:
         w2 = head.markov_w2.weight
         ids = head.target_ids(torch.arange(w2.shape[0]))
         tables = HeadTables(MARKOV, head.markov_w1.weight[ids].detach().contiguous(), w2.detach().contiguous(),
-                            empty, empty, head.uncorrected_depths, torch.zeros(0, dtype=torch.long), w2.detach().T.contiguous())
+                            empty, empty, head.uncorrected_depths, torch.zeros(0, dtype=torch.long), w2.detach().T.contiguous(),
+                            empty)
     head.__dict__["_grow_tables"] = (key, tables)
     return tables
 
@@ -118,7 +120,10 @@ def _inputs(draft, head, tables: HeadTables, tree_top_k: int) -> tuple[torch.Ten
     # candidate_tables' top-K, their base logits and output rows in one call (the same candidates, in the same
     # order wherever the K-th logit is not tied: then torch.topk leaves open which of the tied come in)
     cands, cand_base, out_rows_t = load().candidates(base, tables.out_rows, min(tree_top_k, base.shape[-1]))
-    hidden_proj = head.start_round(draft.hidden, base).hidden_proj.contiguous() if tables.kind == DOMINO else base.new_zeros(0)
+    # Domino's W_z z_d of every depth (``head.start_round``'s hidden projection) by the grower's own product, in one
+    # call: the same values up to the order of the sums, the same bits every call
+    hidden_proj = (load().hidden_projection(draft.hidden.to(base.dtype).contiguous(), tables.w_z_t) if tables.kind == DOMINO
+                   else base.new_zeros(0))
     return cands, cand_base, out_rows_t, hidden_proj, _root(head, tables, draft.bonus)
 
 
