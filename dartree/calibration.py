@@ -32,7 +32,7 @@ from .costmodel import CostModel
 from .default_model import cache_root
 from .engine import Request, run_round
 from .hardware import describe_machine
-from .heads import CorrectionHead
+from .heads import CorrectionHead, to_target_ids
 from .proposers import DraftProposer, draft_batch
 from .targets.base import Part
 from .trees import DraftTree, TreeBuilder, TreeSettings, build_trees, grow_kernel, make_builder
@@ -41,7 +41,7 @@ from .verify import Sampler
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 DRAFT_BATCHES = (4, 16)  # requests in one timed batched drafter call and in one timed batch of trees
 # Part of a cached model's identity: raised whenever what is timed changes, so that older caches are measured again.
-COST_MODEL_VERSION = 11
+COST_MODEL_VERSION = 12  # 12: the bonus a draft-vocabulary token where the drafter has a reduced one
 
 
 def identity(target, proposer=None) -> dict:
@@ -106,7 +106,12 @@ def measure(target, proposer: DraftProposer | None = None, head: CorrectionHead 
     gen = torch.Generator().manual_seed(0)
     vocab = target.config.vocab_size
     device = target.device
-    prompt = torch.randint(vocab, (context,), generator=gen).to(device)
+    prompt = torch.randint(vocab, (context,), generator=gen)
+    d2t = getattr(getattr(proposer, "model", None), "d2t", None)
+    if d2t is not None:  # a reduced draft vocabulary: the bonus one of its tokens, as most bonus tokens of real text
+        # are (the tree's root state then comes from the head's token table, as in most rounds, not from a product)
+        prompt[-1] = int(to_target_ids(d2t.cpu(), torch.randint(d2t.numel(), (1,), generator=gen))[0])
+    prompt = prompt.to(device)
     bonus = int(prompt[-1])
     target.reserve_slots(1)
     target.reset_slot(0)
