@@ -6,7 +6,8 @@ tree's tables and the framework's own code out of the caches).
 
 ``before``: each depth's top-K by ``torch.topk``, the candidates' logits and output rows gathered and transposed by
 tensor operations, Domino's hidden projection by ``DominoHead.start_round`` and its root state by tensor operations
-on the bonus's token-table row, and the grower alone on one thread (as a lone request's tree was grown). ``after``:
+on the bonus's token-table row, and the grower alone on one thread (as a lone request's tree was grown; ``torch.set_num_threads(1)`` and back around it, inside the
+timed call, a few microseconds). ``after``:
 ``grow_kernel._inputs`` as it is (``candidates``, ``hidden_projection`` and ``domino_root``, one compiled call each)
 and the grower with the head's larger products split over the threads. Both grow the same supertree from the same
 draft (asserted, node for node: the hidden projections differ only in the order of their sums) and cut it to the
@@ -80,7 +81,10 @@ def main() -> int:
     answer = pipe.generate(input_ids=prompt, method="ar", max_new_tokens=200)
     context = torch.cat([prompt.flatten(), torch.tensor(answer.token_ids)])
     rows = grow_kernel.head_tables(pipe.head).draft_rows
-    n = next(n for n in range(200, 10, -1) if rows[int(context[n - 1])] >= 0)  # a bonus in the draft vocabulary, as most are
+    in_draft = [i for i in range(min(200, context.numel()), 10, -1) if int(context[i - 1]) < len(rows) and rows[int(context[i - 1])] >= 0]
+    if not in_draft:
+        raise SystemExit("no token of the answer's first 200 is in the draft vocabulary")
+    n = in_draft[0]  # a bonus in the draft vocabulary, as most are
     context = context[:n]
     target = pipe.target
     target.reserve_slots(1)
@@ -95,7 +99,7 @@ def main() -> int:
     head = pipe.head
     tables = grow_kernel.head_tables(head)
     print(f"draft: {draft.base_logits.shape[0]} depths, bonus {draft.bonus} "
-          f"({'a draft token' if tables.draft_rows[draft.bonus] >= 0 else 'not a draft token'})")
+          f"({'a draft token' if draft.bonus < len(tables.draft_rows) and tables.draft_rows[draft.bonus] >= 0 else 'not a draft token'})")
     a, tree_a = build(draft, head, True)
     b, tree_b = build(draft, head, False)
     same = all(torch.equal(x, y) for x, y in zip(a[:3], b[:3])) and torch.equal(tree_a.tokens, tree_b.tokens)

@@ -16,6 +16,7 @@
 // (cumulative log-probabilities), in placement order.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <c10/util/ParallelGuard.h>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -191,6 +192,7 @@ struct Grower {
     for (int64_t f = 0; f < F; ++f)
       for (int64_t r = 0; r < R; ++r) act[f * R + r] += hidden_proj[d * R + r];
     auto a = view(act.data(), F * R);
+    c10::ParallelGuard serial(true);  // see advance: the same bits alone and in a batch
     at::silu_(a);
     return act.data();
   }
@@ -218,6 +220,7 @@ struct Grower {
     }
     for (int64_t c = 0; c < n; ++c) {
       auto rz = view(gh + c * 3 * S, 2 * S);
+      c10::ParallelGuard serial(true);  // see below
       at::sigmoid_(rz);
     }
     for (int64_t c = 0; c < n; ++c) {
@@ -227,6 +230,10 @@ struct Grower {
       for (int64_t j = 0; j < S; ++j) out[j] = gi[2 * S + j] + g[j] * g[2 * S + j];
     }
     auto cand = view(children, n * S);
+    // ATen's elementwise ops split a long tensor over the threads, and each chunk's tail takes the scalar
+    // function, whose bits can differ from the vector one: held to one thread (as inside a batch's parallel
+    // region), a lone request's values are the same as in a batch whatever its width
+    c10::ParallelGuard serial(true);
     at::tanh_(cand);
     for (int64_t c = 0; c < n; ++c) {
       const T* g = gh + c * 3 * S;
@@ -355,7 +362,7 @@ void top_k_ids(const T* v, int64_t V, int64_t k, int64_t* ids, std::vector<int64
 
 // What grow_supertrees takes of one request's draft, in one call: each depth's k candidates (the top k base
 // logits, ``top_k_ids``: trees/common.py ``candidate_tables``, whose torch.topk leaves equal logits' order
-// open), their base logits, and the head's output rows of them transposed (none where out_rows is empty).
+// open), their base logits, and the head's output rows of them transposed.
 // base [D, V]; out_rows [V, R] -> cand_tokens [D, k] int64, cand_base [D, k], out_rows_t [D, R, k]. The depths
 // split over the threads.
 std::vector<torch::Tensor> candidates(torch::Tensor base, torch::Tensor out_rows, int64_t k) {
@@ -363,13 +370,12 @@ std::vector<torch::Tensor> candidates(torch::Tensor base, torch::Tensor out_rows
               "candidates: base [D, V] contiguous float32 or float64");
   const int64_t D = base.size(0), V = base.size(1);
   TORCH_CHECK(k >= 1 && k <= V, "candidates: 1 <= k <= V");
-  const bool rows = out_rows.numel() > 0;
-  TORCH_CHECK(!rows || (out_rows.dim() == 2 && out_rows.size(0) == V && out_rows.is_contiguous() &&
-                        out_rows.scalar_type() == base.scalar_type()), "candidates: out_rows [V, R], contiguous, base's dtype");
-  const int64_t R = rows ? out_rows.size(1) : 0;
+  TORCH_CHECK(out_rows.dim() == 2 && out_rows.size(0) == V && out_rows.is_contiguous() && out_rows.scalar_type() == base.scalar_type(),
+              "candidates: out_rows [V, R], contiguous, base's dtype");
+  const int64_t R = out_rows.size(1);
   auto tokens = torch::empty({D, k}, torch::TensorOptions().dtype(torch::kInt64));
   auto values = torch::empty({D, k}, base.options());
-  auto rows_t = torch::empty({rows ? D : 0, R, k}, base.options());
+  auto rows_t = torch::empty({D, R, k}, base.options());
   AT_DISPATCH_FLOATING_TYPES(base.scalar_type(), "candidates", [&] {
     using T = scalar_t;
     at::parallel_for(0, D, 1, [&](int64_t d0, int64_t d1) {
@@ -380,7 +386,6 @@ std::vector<torch::Tensor> candidates(torch::Tensor base, torch::Tensor out_rows
         top_k_ids(v, V, k, ids, kept);
         T* val = values.data_ptr<T>() + d * k;
         for (int64_t j = 0; j < k; ++j) val[j] = v[ids[j]];
-        if (!rows) continue;
         T* rt = rows_t.data_ptr<T>() + d * R * k;
         for (int64_t j = 0; j < k; ++j) {
           const T* w = out_rows.data_ptr<T>() + ids[j] * R;
