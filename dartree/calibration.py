@@ -107,7 +107,7 @@ def measure(target, proposer: DraftProposer | None = None, head: CorrectionHead 
     vocab = target.config.vocab_size
     device = target.device
     prompt = torch.randint(vocab, (context,), generator=gen)
-    d2t = getattr(getattr(proposer, "model", None), "d2t", None)
+    d2t = proposer.model.d2t if proposer is not None else None
     if d2t is not None:  # a reduced draft vocabulary: the bonus one of its tokens, as most bonus tokens of real text
         # are (the tree's root state then comes from the head's token table, as in most rounds, not from a product)
         prompt[-1] = int(to_target_ids(d2t.cpu(), torch.randint(d2t.numel(), (1,), generator=gen))[0])

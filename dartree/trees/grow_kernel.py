@@ -59,7 +59,7 @@ class HeadTables:
     uncorrected: int
     draft_id: torch.Tensor   # Domino: each target token's draft id (-1: not in the draft vocabulary)
     out_rows_t: torch.Tensor  # [R, V_d] the output rows transposed, for the chain over the whole vocabulary
-    w_z_t: torch.Tensor = None  # Domino: W_z transposed [H, R] (the hidden projection's weights; empty for Markov)
+    w_z_t: torch.Tensor      # Domino: W_z transposed [H, R] (the hidden projection's weights; empty for Markov)
 
     def __post_init__(self):
         self.draft_rows = self.draft_id.numpy()  # the same ids, read by a Python int without a tensor operation
@@ -120,11 +120,15 @@ def _inputs(draft, head, tables: HeadTables, tree_top_k: int) -> tuple[torch.Ten
     # candidate_tables' top-K, their base logits and output rows in one call (the same candidates, in the same
     # order wherever the K-th logit is not tied: then torch.topk leaves open which of the tied come in)
     cands, cand_base, out_rows_t = load().candidates(base, tables.out_rows, min(tree_top_k, base.shape[-1]))
-    # Domino's W_z z_d of every depth (``head.start_round``'s hidden projection) by the grower's own product, in one
-    # call: the same values up to the order of the sums, the same bits every call
-    hidden_proj = (load().hidden_projection(draft.hidden.to(base.dtype).contiguous(), tables.w_z_t) if tables.kind == DOMINO
-                   else base.new_zeros(0))
-    return cands, cand_base, out_rows_t, hidden_proj, _root(head, tables, draft.bonus)
+    return cands, cand_base, out_rows_t, _hidden_projection(draft, tables), _root(head, tables, draft.bonus)
+
+
+def _hidden_projection(draft, tables: HeadTables) -> torch.Tensor:
+    """Domino's W_z z_d of every depth (``head.start_round``'s hidden projection) by the grower's own product, in one
+    call: the same values up to the order of the sums, the same bits every call. Empty for Markov."""
+    if tables.kind != DOMINO:
+        return draft.base_logits.new_zeros(0)
+    return load().hidden_projection(draft.hidden.to(tables.table.dtype).contiguous(), tables.w_z_t)
 
 
 def _root(head, tables: HeadTables, bonus: int) -> torch.Tensor:
@@ -175,9 +179,8 @@ def corrected_chain(draft, head) -> tuple[torch.Tensor, torch.Tensor]:
     if tables is None or base.dtype != tables.table.dtype or base.device.type != "cpu":
         return common.corrected_chain_logits(draft, head)
     base = base.contiguous()
-    hidden_proj = head.start_round(draft.hidden, base).hidden_proj.contiguous() if tables.kind == DOMINO else base.new_zeros(0)
-    tokens, logits = load().corrected_chain(base, tables.kind, tables.out_rows_t, tables.table, hidden_proj, tables.w_state_t,
-                                            tables.w_hh_t, _root(head, tables, draft.bonus), tables.uncorrected)
+    tokens, logits = load().corrected_chain(base, tables.kind, tables.out_rows_t, tables.table, _hidden_projection(draft, tables),
+                                            tables.w_state_t, tables.w_hh_t, _root(head, tables, draft.bonus), tables.uncorrected)
     return tokens, logits
 
 
